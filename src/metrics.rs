@@ -1,0 +1,287 @@
+//! Every metric tidemark exports, registered once. Label values come from small
+//! fixed sets; the one client-controlled label, `model`, is capped.
+
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec,
+    Opts, Registry, TextEncoder,
+};
+
+/// Distinct `model` label values kept before the rest collapse into `other`.
+pub const MAX_MODEL_LABELS: usize = 200;
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub ttfb: HistogramVec,
+    pub proxy_overhead: HistogramVec,
+    pub prompt_real: IntCounterVec,
+    pub prompt_estimated: IntCounterVec,
+    pub cached_prompt: IntCounterVec,
+    pub output_tokens: IntCounterVec,
+    pub estimate_drift: GaugeVec,
+    pub projection_drift: GaugeVec,
+    pub estimate_error: HistogramVec,
+    pub projection_error: HistogramVec,
+    pub utilization: HistogramVec,
+    pub sessions: IntGaugeVec,
+    pub anchor_lost: IntCounterVec,
+    pub usage_missing: IntCounterVec,
+    pub compactions: IntCounterVec,
+    pub over_budget: IntCounterVec,
+    pub trimmed_tokens: IntCounterVec,
+    pub usage_injected: IntCounterVec,
+    pub upstream_errors: IntCounterVec,
+    pub usage_parse_errors: IntCounterVec,
+    /// Requests refused by a tidemark limit, by limit (`body`, `headers`, `connections`, ...).
+    pub limits_hit: IntCounterVec,
+    /// Redis state backend outages (`--state redis://`).
+    pub state_errors: IntCounter,
+    /// Kept so the registry is not empty of process info on platforms without it.
+    pub up: Gauge,
+    models: Mutex<HashSet<String>>,
+}
+
+/// Buckets for latencies from 50 µs to a long stream.
+const LATENCY: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Buckets for the proxy's own overhead, which should sit well under a millisecond.
+const OVERHEAD: &[f64] = &[
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1,
+];
+/// Buckets for signed error ratios, dense around 0.
+const ERROR_RATIO: &[f64] = &[
+    -0.75, -0.5, -0.3, -0.2, -0.1, -0.05, -0.02, -0.01, -0.005, 0.0, 0.005, 0.01, 0.02, 0.05, 0.1,
+    0.2, 0.3, 0.5, 1.0, 2.0,
+];
+/// Buckets for utilisation of the window, 0 to past full.
+const UTILIZATION: &[f64] = &[
+    0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2,
+];
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone()))
+        .expect("metric registered once");
+    c
+}
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone()))
+        .expect("metric registered once");
+    g
+}
+fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str], b: &[f64]) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(b.to_vec()), labels)
+        .expect("valid metric");
+    r.register(Box::new(h.clone()))
+        .expect("metric registered once");
+    h
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let r = Registry::new();
+        let am = &["api", "model"];
+        let sessions = IntGaugeVec::new(
+            Opts::new("tidemark_sessions", "sessions held, by state"),
+            &["state"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(sessions.clone()))
+            .expect("metric registered once");
+        let state_errors = IntCounter::new(
+            "tidemark_state_backend_errors_total",
+            "state backend (redis) operations that failed; requests fell back to local state",
+        )
+        .expect("valid metric");
+        r.register(Box::new(state_errors.clone()))
+            .expect("metric registered once");
+        let up = Gauge::new("tidemark_up", "1 while the process serves").expect("valid metric");
+        r.register(Box::new(up.clone()))
+            .expect("metric registered once");
+        up.set(1.0);
+        Metrics {
+            requests: counter(
+                &r,
+                "tidemark_requests_total",
+                "requests by final status",
+                &["api", "model", "code"],
+            ),
+            request_duration: histogram(
+                &r,
+                "tidemark_request_duration_seconds",
+                "request start to last byte",
+                &["api"],
+                LATENCY,
+            ),
+            ttfb: histogram(
+                &r,
+                "tidemark_time_to_first_byte_seconds",
+                "request start to first body byte to client",
+                &["api"],
+                LATENCY,
+            ),
+            proxy_overhead: histogram(
+                &r,
+                "tidemark_proxy_overhead_seconds",
+                "time spent in tidemark before the upstream request is sent",
+                &["api"],
+                OVERHEAD,
+            ),
+            prompt_real: counter(
+                &r,
+                "tidemark_prompt_tokens_real_total",
+                "provider-reported prompt tokens",
+                am,
+            ),
+            prompt_estimated: counter(
+                &r,
+                "tidemark_prompt_tokens_estimated_total",
+                "local estimates of the same requests",
+                am,
+            ),
+            cached_prompt: counter(
+                &r,
+                "tidemark_cached_prompt_tokens_total",
+                "of the real prompt tokens, how many were cache reads",
+                am,
+            ),
+            output_tokens: counter(
+                &r,
+                "tidemark_output_tokens_total",
+                "provider-reported output tokens",
+                am,
+            ),
+            estimate_drift: gauge(
+                &r,
+                "tidemark_estimate_drift_ratio",
+                "real / estimate, recent",
+                am,
+            ),
+            projection_drift: gauge(
+                &r,
+                "tidemark_projection_drift_ratio",
+                "real / projection, recent",
+                am,
+            ),
+            estimate_error: histogram(
+                &r,
+                "tidemark_estimate_error_ratio",
+                "(estimate - real) / real",
+                am,
+                ERROR_RATIO,
+            ),
+            projection_error: histogram(
+                &r,
+                "tidemark_projection_error_ratio",
+                "(projection - real) / real",
+                am,
+                ERROR_RATIO,
+            ),
+            utilization: histogram(
+                &r,
+                "tidemark_context_utilization",
+                "projection / window",
+                am,
+                UTILIZATION,
+            ),
+            sessions,
+            anchor_lost: counter(&r, "tidemark_anchor_lost_total", "anchor losses", am),
+            usage_missing: counter(
+                &r,
+                "tidemark_usage_missing_total",
+                "2xx responses without usage",
+                am,
+            ),
+            compactions: counter(
+                &r,
+                "tidemark_compactions_detected_total",
+                "shrinks detected",
+                am,
+            ),
+            over_budget: counter(
+                &r,
+                "tidemark_over_budget_total",
+                "over-budget requests by action",
+                &["api", "model", "action"],
+            ),
+            trimmed_tokens: counter(
+                &r,
+                "tidemark_trimmed_tokens_total",
+                "tokens removed by trims (projected)",
+                am,
+            ),
+            usage_injected: counter(
+                &r,
+                "tidemark_usage_injected_total",
+                "usage injections",
+                &["api"],
+            ),
+            upstream_errors: counter(
+                &r,
+                "tidemark_upstream_errors_total",
+                "upstream failures by kind",
+                &["kind"],
+            ),
+            usage_parse_errors: counter(
+                &r,
+                "tidemark_usage_parse_errors_total",
+                "malformed usage or stream",
+                &["api"],
+            ),
+            limits_hit: counter(
+                &r,
+                "tidemark_limits_hit_total",
+                "requests refused by a tidemark limit",
+                &["limit"],
+            ),
+            state_errors,
+            up,
+            registry: r,
+            models: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// The `model` label value for a client-supplied model name: itself while
+    /// fewer than [`MAX_MODEL_LABELS`] distinct values have been seen, else `other`.
+    pub fn model_label(&self, model: Option<&str>) -> String {
+        let Some(m) = model else {
+            return "unknown".to_string();
+        };
+        let m: String = m.chars().take(100).collect();
+        let mut set = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        if set.contains(&m) {
+            return m;
+        }
+        if set.len() < MAX_MODEL_LABELS {
+            set.insert(m.clone());
+            return m;
+        }
+        "other".to_string()
+    }
+
+    /// The Prometheus text exposition of every family.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 * 1024);
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}
+
+/// The process-wide metrics.
+pub fn get() -> &'static Metrics {
+    static M: OnceLock<Metrics> = OnceLock::new();
+    M.get_or_init(Metrics::new)
+}
+
+/// Convenience for a histogram observation with fixed labels.
+pub fn observe(h: &HistogramVec, labels: &[&str], v: f64) {
+    h.with_label_values(labels).observe(v);
+}

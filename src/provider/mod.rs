@@ -1,0 +1,177 @@
+//! Provider knowledge behind one trait: which paths an API owns, what a request
+//! looks like to the estimator, where usage sits in a response, and the error
+//! shapes its SDKs understand. Adding an API is one file here and one line in
+//! [`ALL`].
+
+use serde_json::Value;
+
+use crate::inspect::RequestView;
+
+mod anthropic;
+mod gemini;
+mod ollama;
+mod openai_chat;
+mod openai_responses;
+
+pub use anthropic::Anthropic;
+pub use gemini::Gemini;
+pub use ollama::Ollama;
+pub use openai_chat::OpenAiChat;
+pub use openai_responses::OpenAiResponses;
+
+/// The APIs tidemark understands. The string form is the `api` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    OpenAiChat,
+    OpenAiResponses,
+    Anthropic,
+    Gemini,
+    Ollama,
+}
+
+impl Api {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Api::OpenAiChat => "openai-chat",
+            Api::OpenAiResponses => "openai-responses",
+            Api::Anthropic => "anthropic-messages",
+            Api::Gemini => "gemini",
+            Api::Ollama => "ollama",
+        }
+    }
+    pub fn provider(self) -> &'static dyn Provider {
+        match self {
+            Api::OpenAiChat => &OpenAiChat,
+            Api::OpenAiResponses => &OpenAiResponses,
+            Api::Anthropic => &Anthropic,
+            Api::Gemini => &Gemini,
+            Api::Ollama => &Ollama,
+        }
+    }
+}
+
+/// Every provider, in the order paths are tried.
+pub static ALL: &[&dyn Provider] = &[&OpenAiChat, &OpenAiResponses, &Anthropic, &Gemini, &Ollama];
+
+/// The provider that owns `path` (without query), if any.
+pub fn for_path(path: &str) -> Option<&'static dyn Provider> {
+    ALL.iter().copied().find(|p| p.matches_path(path))
+}
+
+/// Token usage as one response reported it. `None` is "not reported", never 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// The provider's headline input figure as sent (Anthropic: uncached remainder only).
+    pub input: Option<u64>,
+    /// Tokens read from a prompt cache.
+    pub cached_input: Option<u64>,
+    /// Tokens written to a prompt cache (Anthropic); 0 where the API has no such concept.
+    pub cache_creation: Option<u64>,
+    /// Generated tokens, reasoning included.
+    pub output: Option<u64>,
+    /// The full prompt the model saw: the number anchors are made of.
+    pub total_context: Option<u64>,
+}
+
+impl Usage {
+    /// Whether the response reported the prompt size (what anchoring needs).
+    pub fn has_context(&self) -> bool {
+        self.total_context.is_some()
+    }
+}
+
+/// How a response body is framed on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// `text/event-stream`.
+    Sse,
+    /// One JSON object per line (Ollama native streams).
+    Ndjson,
+    /// One JSON document (non-stream bodies, Gemini's streamed array without `alt=sse`).
+    Json,
+}
+
+/// Where a request's countable content lives: a top-level field, and whether
+/// each element of it is a separate unit (cached and counted on its own).
+#[derive(Debug, Clone, Copy)]
+pub struct CountedField {
+    pub name: &'static str,
+    /// Array whose elements are messages/items (each framed and cached separately).
+    pub per_element: bool,
+}
+
+/// A tidemark-made error, to be rendered in the API's own shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// Generic error: (HTTP status, OpenAI `type` / Anthropic `error.type` hint, code).
+    Generic { status: u16 },
+    /// The context-length rejection, P projected tokens against window W.
+    ContextLength { projected: u64, window: u64 },
+    /// The session budget rejection.
+    SessionBudget { spent: u64, budget: u64 },
+}
+
+/// What the tap learned from one response.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Observed {
+    pub usage: Usage,
+    /// The response's id, where a later request can continue it (Responses
+    /// `previous_response_id`).
+    pub response_id: Option<String>,
+    /// The stream carried an error event after a 2xx status.
+    pub stream_error: bool,
+}
+
+pub trait Provider: Send + Sync + 'static {
+    fn api(&self) -> Api;
+
+    /// Does a request path (no query) belong to this API?
+    fn matches_path(&self, path: &str) -> bool;
+
+    // ---- request side -------------------------------------------------
+
+    /// The model the request names (body field, or the path for Gemini).
+    fn model(&self, path: &str, req: &RequestView<'_>) -> Option<String>;
+
+    /// Whether the response will be streamed.
+    fn is_stream(&self, path: &str, query: Option<&str>, req: &RequestView<'_>) -> bool;
+
+    /// Top-level fields holding what the provider will count, in the order
+    /// the provider sees them (system first).
+    fn counted_fields(&self) -> &'static [CountedField];
+
+    /// The request's cap on output tokens, for `--reserve-output`.
+    fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64>;
+
+    /// The response this request continues (Responses `previous_response_id`).
+    fn continues(&self, _req: &RequestView<'_>) -> Option<String> {
+        None
+    }
+
+    // ---- response side ------------------------------------------------
+
+    /// Framing of a response body, given its content type and whether the
+    /// request asked for a stream.
+    fn framing(&self, content_type: Option<&str>, stream: bool) -> Framing {
+        match content_type {
+            Some(ct) if ct.starts_with("text/event-stream") => Framing::Sse,
+            Some(ct) if ct.starts_with("application/x-ndjson") => Framing::Ndjson,
+            _ if stream && self.api() == Api::Ollama => Framing::Ndjson,
+            _ => Framing::Json,
+        }
+    }
+
+    /// Cheap check before any JSON parse: could this event's data carry usage,
+    /// a response id or an error? `event` is the SSE `event:` name.
+    fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool;
+
+    /// Fold one parsed event (or NDJSON line, or a whole JSON body) into `acc`.
+    /// Later values replace earlier ones: repeated usage is cumulative.
+    fn observe(&self, event: Option<&str>, json: &Value, acc: &mut Observed);
+
+    // ---- errors -------------------------------------------------------
+
+    /// The body of an error tidemark itself produces, in this API's shape.
+    /// `kind` is the `x-tidemark-error` value.
+    fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
+}

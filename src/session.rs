@@ -1,0 +1,1 @@
+//! STUB: sessions, anchors, projection.

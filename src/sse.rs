@@ -1,0 +1,1 @@
+//! STUB: incremental SSE scanner.
