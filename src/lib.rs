@@ -1,15 +1,53 @@
 //! tidemark: a transparent LLM reverse proxy that knows how full every
 //! session's context window really is.
 //!
-//! (The walk through one request is written when the spine lands.)
+//! # The life of one request
+//!
+//! 1. **Accept** (`server.rs`): one listener speaks HTTP/1.1 and h2c; a
+//!    semaphore caps connections, hyper's header-read timeout guards against
+//!    slowloris, and a graceful-shutdown watcher drains in-flight streams.
+//! 2. **Route** (`proxy.rs::handle`, the spine): the longest `--route` prefix
+//!    picks the upstream (`config.rs`); `provider::for_path` decides whether the
+//!    path is an API tidemark understands (`provider/`, one file per API).
+//!    Anything else streams through untouched (`proxy.rs::passthrough`).
+//! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
+//!    `--max-body-bytes` (413 beyond), decoded if compressed, and parsed into a
+//!    borrowed view of raw top-level JSON slices. Not JSON: forwarded as it
+//!    came, with no projection.
+//! 4. **Estimate** (`estimate.rs`): each message is tokenized once and cached
+//!    by a hash of its bytes, so a new turn costs only its own tokens.
+//! 5. **Session** (`session.rs`): a session key (header or fingerprint),
+//!    the anchor from the last response, calibration, and the projection
+//!    `anchor.real + (estimate - anchor.estimate) * calibration`.
+//! 6. **Policy** (`proxy.rs`, `policy.rs`/`trim.rs`): session budget, then
+//!    pass / reject (in the provider's own error shape) / trim.
+//! 7. **Upstream** (`upstream.rs`): hop-by-hop headers dropped, the OpenAI chat
+//!    usage option injected (`inject.rs`), one pooled rustls client with HTTP/2
+//!    by ALPN, connect and response-header timeouts.
+//! 8. **Tap** (`tap.rs`): the response body is wrapped, never buffered: every
+//!    frame goes to the client as it arrives while `usage.rs` decompresses a
+//!    copy's view, frames it (`sse.rs`, NDJSON, JSON) and lets the provider
+//!    read usage from the few events that can carry it.
+//! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
+//!    hang-up, the session is anchored (or the loss is made loud) and the drift
+//!    is exported (`metrics.rs`, every metric name in one file).
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod demo;
 pub mod estimate;
+pub mod inject;
 pub mod inspect;
 pub mod metrics;
 pub mod provider;
+pub mod proxy;
+pub mod server;
 pub mod session;
 pub mod sse;
+pub mod tap;
+pub mod upstream;
 pub mod usage;
 pub mod window;
+
+pub use config::Config;
+pub use server::run;

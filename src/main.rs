@@ -1,1 +1,70 @@
-fn main() {}
+//! flags -> Config -> run. The only place `anyhow` is used.
+
+use anyhow::Context;
+use clap::Parser;
+use tidemark::config::{Cli, Command, LogFormat};
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TIDEMARK_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => b.json().init(),
+        LogFormat::Text => b.init(),
+    }
+}
+
+/// Resolves on the first SIGINT/SIGTERM; a second one exits at once.
+async fn shutdown_signal() {
+    wait_signal().await;
+    tracing::info!("signal received: stopping (send again to exit at once)");
+    tokio::spawn(async {
+        wait_signal().await;
+        tracing::warn!("second signal: exiting now");
+        std::process::exit(130);
+    });
+}
+
+async fn wait_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_logs(cli.flags.log_format);
+    match cli.command {
+        Some(Command::Demo { turns, keep_running }) => {
+            let flags = cli.flags.clone();
+            tidemark::demo::main(flags, turns, keep_running).await.map_err(anyhow::Error::msg).context("demo")?;
+            Ok(())
+        }
+        None => {
+            let config = cli.flags.resolve().map_err(anyhow::Error::msg).context("invalid flags")?;
+            let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding --listen {}", config.listen))?;
+            let admin = tokio::net::TcpListener::bind(config.admin_listen)
+                .await
+                .with_context(|| format!("binding --admin-listen {}", config.admin_listen))?;
+            tracing::info!(listen = %config.listen, admin = %config.admin_listen, upstream = %format!("{}://{}{}", config.upstream.scheme, config.upstream.authority, config.upstream.prefix), "tidemark serving");
+            tidemark::run(listener, admin, config, shutdown_signal()).await?;
+            Ok(())
+        }
+    }
+}

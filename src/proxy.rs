@@ -1,0 +1,647 @@
+//! The spine: one function runs a request's phases in order — route, inspect,
+//! session, policy, upstream, tap, record — and one function maps every error
+//! tidemark produces to a response in the API's own shape.
+
+use std::convert::Infallible;
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use dashmap::DashSet;
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, OnOver, Upstream};
+use crate::estimate::{Estimate, Estimator};
+use crate::inspect::RequestView;
+use crate::metrics;
+use crate::provider::{self, Api, ErrorShape, Provider};
+use crate::session::{Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions};
+use crate::tap::{Finish, ObservedBody, Watch};
+use crate::upstream::{self, Client, UpBody, UpstreamError};
+use crate::usage::UsageReader;
+
+/// Everything a request needs that outlives it.
+pub struct State {
+    pub config: Config,
+    pub client: Client,
+    pub estimator: Estimator,
+    pub sessions: Sessions,
+    /// Upstreams (authorities) that answered 400 to `stream_options`: never inject there again.
+    pub no_stream_options: DashSet<String>,
+}
+
+/// Per-message token cache budget for the estimator.
+pub const ESTIMATE_CACHE_BYTES: usize = 64 << 20;
+
+/// Longest session key taken from a header; longer values are cut.
+pub const MAX_SESSION_KEY: usize = 256;
+
+impl State {
+    pub fn new(config: Config) -> Result<State, String> {
+        let client = upstream::client(&config)?;
+        let sessions = Sessions::new(SessionConfig { ttl: config.session_ttl, max_sessions: config.max_sessions });
+        Ok(State { client, estimator: Estimator::new(ESTIMATE_CACHE_BYTES), sessions, no_stream_options: DashSet::new(), config })
+    }
+}
+
+/// Errors tidemark itself answers, by the side they came from.
+#[derive(Debug)]
+pub enum ProxyError {
+    /// The client's body is over `--max-body-bytes`.
+    BodyTooLarge,
+    /// The client's body could not be read (client gone or broken framing).
+    ClientBody,
+    /// The upstream could not be reached or failed before answering.
+    Upstream(UpstreamError),
+    /// The projection is over the line and the policy is reject (or a trim could not shrink enough).
+    ContextBudget { projected: u64, window: u64 },
+    /// The session spent its `--session-budget`.
+    SessionBudget { spent: u64, budget: u64 },
+}
+
+impl ProxyError {
+    fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::ClientBody => StatusCode::BAD_REQUEST,
+            ProxyError::Upstream(UpstreamError::Timeout) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. } => StatusCode::BAD_REQUEST,
+        }
+    }
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::BodyTooLarge => "body-too-large",
+            ProxyError::ClientBody => "client-body",
+            ProxyError::Upstream(u) => u.header_kind(),
+            ProxyError::ContextBudget { .. } => "context-budget",
+            ProxyError::SessionBudget { .. } => "session-budget",
+        }
+    }
+    fn message(&self, max_body: usize) -> String {
+        match self {
+            ProxyError::BodyTooLarge => format!("request body exceeds the proxy's limit of {max_body} bytes"),
+            ProxyError::ClientBody => "the request body could not be read".to_string(),
+            ProxyError::Upstream(UpstreamError::Connect) => "tidemark could not connect to the upstream".to_string(),
+            ProxyError::Upstream(UpstreamError::Tls) => "TLS handshake with the upstream failed".to_string(),
+            ProxyError::Upstream(UpstreamError::Reset) => "the upstream closed the connection before answering".to_string(),
+            ProxyError::Upstream(UpstreamError::Timeout) => "the upstream did not answer in time".to_string(),
+            ProxyError::ContextBudget { projected, window } => {
+                format!("projected prompt of {projected} tokens is over the budget for a {window}-token window")
+            }
+            ProxyError::SessionBudget { spent, budget } => {
+                format!("session_budget_exceeded: this session spent {spent} tokens of its {budget}-token budget")
+            }
+        }
+    }
+}
+
+/// The provider whose error shape fits a path: its own API, else a guess from
+/// the path, else OpenAI's (the default upstream).
+fn shape_provider(path: &str) -> &'static dyn Provider {
+    if let Some(p) = provider::for_path(path) {
+        return p;
+    }
+    if path.contains("/messages") {
+        Api::Anthropic.provider()
+    } else if path.contains("/api/") {
+        Api::Ollama.provider()
+    } else if path.contains(":") && path.contains("/models/") {
+        Api::Gemini.provider()
+    } else {
+        Api::OpenAiChat.provider()
+    }
+}
+
+/// Map an error to its response: status, body in the API's shape, `x-tidemark-error`.
+pub fn error_response(err: &ProxyError, p: &dyn Provider, max_body: usize) -> Response<ObservedBody> {
+    let shape = match err {
+        ProxyError::ContextBudget { projected, window } => ErrorShape::ContextLength { projected: *projected, window: *window },
+        ProxyError::SessionBudget { spent, budget } => ErrorShape::SessionBudget { spent: *spent, budget: *budget },
+        other => ErrorShape::Generic { status: other.status().as_u16() },
+    };
+    let body = p.error_body(shape, err.kind(), &err.message(max_body));
+    let mut resp = Response::new(ObservedBody::full(body));
+    *resp.status_mut() = err.status();
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(X_TIDEMARK_ERROR, HeaderValue::from_static(err.kind()));
+    if matches!(err, ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. }) {
+        h.insert(X_SHOULD_RETRY, HeaderValue::from_static("false"));
+    }
+    resp
+}
+
+pub const X_CONTEXT_PROJECTION: HeaderName = HeaderName::from_static("x-context-projection");
+pub const X_CONTEXT_WARNING: HeaderName = HeaderName::from_static("x-context-warning");
+pub const X_CONTEXT_TRIMMED: HeaderName = HeaderName::from_static("x-context-trimmed");
+pub const X_CONTEXT_RESET: HeaderName = HeaderName::from_static("x-context-reset");
+pub const X_TIDEMARK_ERROR: HeaderName = HeaderName::from_static("x-tidemark-error");
+pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+
+/// What the inspect phase learned about a request on a recognised API.
+struct Inspected {
+    model_label: String,
+    stream: bool,
+    estimate: Estimate,
+    begun: Begun,
+    max_output: Option<u64>,
+    /// The body to send when tidemark edited it (usage injection, trim).
+    edited: Option<Bytes>,
+    injected: bool,
+}
+
+/// The spine. Every request passes here, top to bottom.
+pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<ObservedBody>, Infallible> {
+    let start = Instant::now();
+    // route: which upstream, and is this an API tidemark understands?
+    let path = req.uri().path().to_string();
+    let upstream = state.config.upstream_for(&path).clone();
+    let api = if req.method() == http::Method::POST { provider::for_path(&path) } else { None };
+    let Some(p) = api else {
+        return Ok(passthrough(&state, req, &upstream, start).await);
+    };
+    Ok(api_request(&state, req, p, &upstream, &path, start).await)
+}
+
+/// A request tidemark does not read: its body streams through.
+async fn passthrough(state: &State, req: Request<Incoming>, upstream: &Upstream, start: Instant) -> Response<ObservedBody> {
+    let (parts, body) = req.into_parts();
+    let shape = shape_provider(parts.uri.path());
+    let body: UpBody = body.boxed_unsync();
+    let up = match build_upstream_request(&parts, upstream, body, false) {
+        Some(r) => r,
+        None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
+    };
+    let m = metrics::get();
+    m.proxy_overhead.with_label_values(&["other"]).observe(start.elapsed().as_secs_f64());
+    match send(state, up).await {
+        Ok(resp) => {
+            let code = resp.status().as_u16();
+            let (mut parts, body) = resp.into_parts();
+            upstream::strip_hop_by_hop(&mut parts.headers);
+            let mut watch = Watch::new(start);
+            let counter = m.requests.with_label_values(&["other", "none", &code.to_string()]);
+            watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
+            let body = ObservedBody::watched(body.map_err(Into::into).boxed_unsync(), watch, state.config.idle_timeout);
+            Response::from_parts(parts, body)
+        }
+        Err(e) => {
+            m.upstream_errors.with_label_values(&[e.metric_kind()]).inc();
+            let err = ProxyError::Upstream(e);
+            m.requests.with_label_values(&["other", "none", err.status().as_str()]).inc();
+            error_response(&err, shape, state.config.max_body_bytes)
+        }
+    }
+}
+
+/// Send upstream, bounded by `--upstream-timeout` (request sent to response headers).
+async fn send(state: &State, req: Request<UpBody>) -> Result<Response<Incoming>, UpstreamError> {
+    match tokio::time::timeout(state.config.upstream_timeout, state.client.request(req)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(UpstreamError::classify(&e)),
+        Err(_) => Err(UpstreamError::Timeout),
+    }
+}
+
+/// The upstream request: same method, path under the upstream's prefix, query
+/// kept, headers minus hop-by-hop and `Host` (the client sets the upstream's).
+fn build_upstream_request(parts: &http::request::Parts, upstream: &Upstream, body: UpBody, edited: bool) -> Option<Request<UpBody>> {
+    let pq = parts.uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
+    let uri = http::Uri::builder()
+        .scheme(upstream.scheme.clone())
+        .authority(upstream.authority.clone())
+        .path_and_query(format!("{}{}", upstream.prefix, pq))
+        .build()
+        .ok()?;
+    let mut headers = parts.headers.clone();
+    upstream::strip_hop_by_hop(&mut headers);
+    headers.remove(http::header::HOST);
+    headers.remove(X_CONTEXT_RESET);
+    if edited {
+        // The body changed length; the client sets it from the new body.
+        headers.remove(CONTENT_LENGTH);
+        headers.remove(CONTENT_ENCODING);
+    }
+    let mut req = Request::new(body);
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    Some(req)
+}
+
+fn full(b: Bytes) -> UpBody {
+    Full::new(b).map_err(|e| match e {}).boxed_unsync()
+}
+
+/// Decode a compressed request body for inspection only (it is forwarded as it came).
+fn decode_request(encoding: Option<&str>, body: &Bytes, cap: usize) -> Option<Bytes> {
+    let enc = match encoding.map(|e| e.trim().to_ascii_lowercase()) {
+        None => return Some(body.clone()),
+        Some(e) if e.is_empty() || e == "identity" => return Some(body.clone()),
+        Some(e) => e,
+    };
+    let mut out = Vec::new();
+    let limit = cap as u64 + 1;
+    let ok = match enc.as_str() {
+        "gzip" | "x-gzip" => flate2::read::MultiGzDecoder::new(&body[..]).take(limit).read_to_end(&mut out).is_ok(),
+        "deflate" => flate2::read::ZlibDecoder::new(&body[..]).take(limit).read_to_end(&mut out).is_ok(),
+        "br" => brotli_decompressor::Decompressor::new(&body[..], 4096).take(limit).read_to_end(&mut out).is_ok(),
+        "zstd" => match zstd::stream::read::Decoder::new(&body[..]) {
+            Ok(d) => d.take(limit).read_to_end(&mut out).is_ok(),
+            Err(_) => false,
+        },
+        _ => false,
+    };
+    (ok && out.len() <= cap).then(|| Bytes::from(out))
+}
+
+/// First 8 hex of the SHA-256 of the credential the request carries, or `none`.
+fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
+    let cred = ["authorization", "x-api-key", "x-goog-api-key", "api-key"]
+        .iter()
+        .find_map(|h| headers.get(*h).map(|v| v.as_bytes().to_vec()))
+        .or_else(|| {
+            query.and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("key=").map(|v| v.as_bytes().to_vec())))
+        });
+    match cred {
+        Some(c) if !c.is_empty() => {
+            let d = Sha256::digest(&c);
+            d.iter().take(4).map(|b| format!("{b:02x}")).collect()
+        }
+        _ => "none".to_string(),
+    }
+}
+
+/// The session key: the first configured session header present, else a
+/// fingerprint of (credential, API, system prompt, first user message).
+fn session_key(config: &Config, headers: &HeaderMap, p: &dyn Provider, view: &RequestView<'_>, credential: &str) -> Option<String> {
+    for h in &config.session_headers {
+        if let Some(v) = headers.get(h.as_str()).and_then(|v| v.to_str().ok()) {
+            let v = v.trim();
+            if !v.is_empty() {
+                let mut end = v.len().min(MAX_SESSION_KEY);
+                while !v.is_char_boundary(end) {
+                    end -= 1;
+                }
+                return Some(v[..end].to_string());
+            }
+        }
+    }
+    if !config.fingerprint {
+        return None;
+    }
+    let mut h = Sha256::new();
+    h.update(credential.as_bytes());
+    h.update([0]);
+    h.update(p.api().as_str().as_bytes());
+    let mut any = false;
+    for f in p.counted_fields() {
+        let Some(raw) = view.raw(f.name) else { continue };
+        if f.name == "tools" {
+            continue;
+        }
+        h.update([0]);
+        h.update(f.name.as_bytes());
+        if !f.per_element {
+            h.update(raw.get().as_bytes());
+            any = true;
+            continue;
+        }
+        // Elements up to and including the first user message.
+        let Some(elems) = view.array(f.name) else {
+            h.update(raw.get().as_bytes());
+            any = true;
+            continue;
+        };
+        for e in elems {
+            h.update(e.get().as_bytes());
+            any = true;
+            if is_user_message(e.get()) {
+                break;
+            }
+        }
+    }
+    if !any {
+        return None;
+    }
+    let d = h.finalize();
+    Some(format!("fp:{}", d.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()))
+}
+
+fn is_user_message(raw: &str) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Role<'a> {
+        #[serde(borrow)]
+        role: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_str::<Role>(raw).ok().and_then(|r| r.role).is_some_and(|r| r == "user")
+}
+
+/// RFC 8941 dictionary for `x-context-warning`.
+fn warning_value(util: f64, at: f64) -> String {
+    format!("util={:.3}, at={}", util, fmt_decimal(at))
+}
+
+fn fmt_decimal(v: f64) -> String {
+    let s = format!("{v:.3}");
+    let s = s.trim_end_matches('0');
+    if s.ends_with('.') {
+        format!("{s}0")
+    } else {
+        s.to_string()
+    }
+}
+
+fn add_projection_headers(h: &mut HeaderMap, proj: &Projection, warn_at: f64) {
+    if let Ok(v) = HeaderValue::from_str(&proj.header_value()) {
+        h.insert(X_CONTEXT_PROJECTION, v);
+    }
+    if let Some(u) = proj.util() {
+        if u >= warn_at {
+            if let Ok(v) = HeaderValue::from_str(&warning_value(u, warn_at)) {
+                h.insert(X_CONTEXT_WARNING, v);
+            }
+        }
+    }
+}
+
+/// A request on a recognised API.
+async fn api_request(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    p: &'static dyn Provider,
+    upstream: &Upstream,
+    path: &str,
+    start: Instant,
+) -> Response<ObservedBody> {
+    let m = metrics::get();
+    let api = p.api();
+    let cfg = &state.config;
+    let (parts, body) = req.into_parts();
+
+    // inspect: read the body whole, capped.
+    let too_large = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|n| n > cfg.max_body_bytes as u64);
+    if too_large {
+        m.limits_hit.with_label_values(&["body"]).inc();
+        return error_response(&ProxyError::BodyTooLarge, p, cfg.max_body_bytes);
+    }
+    let body = match Limited::new(body, cfg.max_body_bytes).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => {
+            let err = if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                m.limits_hit.with_label_values(&["body"]).inc();
+                ProxyError::BodyTooLarge
+            } else {
+                ProxyError::ClientBody
+            };
+            return error_response(&err, p, cfg.max_body_bytes);
+        }
+    };
+    let encoding = parts.headers.get(CONTENT_ENCODING).and_then(|v| v.to_str().ok());
+    let decoded = decode_request(encoding, &body, cfg.max_body_bytes.saturating_mul(8));
+    let view = decoded.as_deref().and_then(RequestView::parse);
+    let Some(view) = view else {
+        // Not JSON we can read: forward untouched, no projection.
+        return forward_unread(state, parts, body, upstream, p, start).await;
+    };
+
+    let query = parts.uri.query();
+    let model = p.model(path, &view);
+    let model_label = m.model_label(model.as_deref());
+    let stream = p.is_stream(path, query, &view);
+    let estimate = state.estimator.estimate(p, &view, model.as_deref());
+    let credential = credential_hash(&parts.headers, query);
+    let key = session_key(cfg, &parts.headers, p, &view, &credential);
+    let reset = parts.headers.get(X_CONTEXT_RESET).is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
+    let window = model.as_deref().and_then(|m| crate::window::window_for(&cfg.context_windows, m));
+    let begun = state.sessions.begin(RequestFacts {
+        key,
+        credential,
+        api,
+        model,
+        estimate: estimate.tokens,
+        reset,
+        window,
+        counted: None,
+        continues: p.continues(&view),
+    });
+    let max_output = p.max_output_tokens(&view);
+
+    // usage injection: OpenAI chat streams get include_usage unless the client asked or the upstream refused.
+    let mut edited = None;
+    let mut injected = false;
+    if api == Api::OpenAiChat && stream && cfg.inject_usage && encoding.is_none() && !state.no_stream_options.contains(upstream.authority.as_str()) {
+        if let Some(b) = crate::inject::inject_include_usage(&body, &view) {
+            edited = Some(Bytes::from(b));
+            injected = true;
+        }
+    }
+    drop(view);
+    let mut ins = Inspected { model_label, stream, estimate, begun, max_output, edited, injected };
+    if let Some(u) = ins.begun.projection.util() {
+        m.utilization.with_label_values(&[api.as_str(), &ins.model_label]).observe(u);
+    }
+
+    // policy: session budget, then the context budget.
+    if let Some(budget) = cfg.session_budget {
+        if ins.begun.spent > budget {
+            let err = ProxyError::SessionBudget { spent: ins.begun.spent, budget };
+            return reject(state, p, ins, &err);
+        }
+    }
+    if let Some(w) = ins.begun.projection.window {
+        let reserve = if cfg.reserve_output { ins.max_output.unwrap_or(0) } else { 0 };
+        let projected = ins.begun.projection.tokens + reserve;
+        if projected as f64 > cfg.limit_at * w as f64 {
+            let action = cfg.on_over;
+            m.over_budget.with_label_values(&[api.as_str(), &ins.model_label, action.as_str()]).inc();
+            match action {
+                OnOver::Pass => {}
+                OnOver::Reject | OnOver::Trim => {
+                    let err = ProxyError::ContextBudget { projected, window: w };
+                    return reject(state, p, ins, &err);
+                }
+            }
+        }
+    }
+
+    // upstream
+    let edited_now = ins.edited.is_some();
+    let send_body = ins.edited.clone().unwrap_or_else(|| body.clone());
+    let Some(up) = build_upstream_request(&parts, upstream, full(send_body), edited_now) else {
+        return reject(state, p, ins, &ProxyError::ClientBody);
+    };
+    m.proxy_overhead.with_label_values(&[api.as_str()]).observe(start.elapsed().as_secs_f64());
+    if ins.injected {
+        m.usage_injected.with_label_values(&[api.as_str()]).inc();
+    }
+    let mut result = send(state, up).await;
+
+    // An upstream that refuses stream_options gets the request again without it, once.
+    if ins.injected {
+        if let Ok(resp) = result {
+            if resp.status() == StatusCode::BAD_REQUEST {
+                let (rparts, rbody) = resp.into_parts();
+                let bytes = Limited::new(rbody, 1 << 20).collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                if crate::inject::mentions_stream_options(&bytes) {
+                    state.no_stream_options.insert(upstream.authority.as_str().to_string());
+                    ins.injected = false;
+                    ins.edited = None;
+                    match build_upstream_request(&parts, upstream, full(body.clone()), false) {
+                        Some(up) => result = send(state, up).await,
+                        None => return reject(state, p, ins, &ProxyError::ClientBody),
+                    }
+                } else {
+                    let mut resp = Response::from_parts(rparts, ObservedBody::full(bytes));
+                    resp.headers_mut().remove(CONTENT_LENGTH);
+                    return respond_buffered(state, p, ins, resp);
+                }
+            } else {
+                result = Ok(resp);
+            }
+        }
+    }
+
+    let resp = match result {
+        Ok(r) => r,
+        Err(e) => {
+            m.upstream_errors.with_label_values(&[e.metric_kind()]).inc();
+            return reject(state, p, ins, &ProxyError::Upstream(e));
+        }
+    };
+
+    // tap: watch the response go by.
+    let status = resp.status();
+    let (mut rparts, rbody) = resp.into_parts();
+    upstream::strip_hop_by_hop(&mut rparts.headers);
+    add_projection_headers(&mut rparts.headers, &ins.begun.projection, cfg.warn_at);
+    let mut watch = Watch::new(start);
+    watch.ttfb = Some(m.ttfb.with_label_values(&[api.as_str()]));
+    watch.duration = Some(m.request_duration.with_label_values(&[api.as_str()]));
+    if status.is_success() {
+        let ct = rparts.headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        let ce = rparts.headers.get(CONTENT_ENCODING).and_then(|v| v.to_str().ok());
+        watch.reader = Some(UsageReader::new(p, p.framing(ct, ins.stream), ce));
+        if ins.injected && ce.is_none() {
+            watch.stripper = Some(crate::inject::UsageStripper::new());
+            rparts.headers.remove(CONTENT_LENGTH);
+        }
+    }
+    watch.on_finish = Some(record(state, api, status.as_u16(), ins));
+    let body = ObservedBody::watched(rbody.map_err(Into::into).boxed_unsync(), watch, cfg.idle_timeout);
+    Response::from_parts(rparts, body)
+}
+
+/// Forward a request whose body tidemark could not read as JSON: untouched, no projection.
+async fn forward_unread(state: &State, parts: http::request::Parts, body: Bytes, upstream: &Upstream, p: &dyn Provider, start: Instant) -> Response<ObservedBody> {
+    let m = metrics::get();
+    let api = p.api().as_str();
+    let Some(up) = build_upstream_request(&parts, upstream, full(body), false) else {
+        return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
+    };
+    m.proxy_overhead.with_label_values(&[api]).observe(start.elapsed().as_secs_f64());
+    match send(state, up).await {
+        Ok(resp) => {
+            let code = resp.status().as_u16().to_string();
+            let (mut parts, body) = resp.into_parts();
+            upstream::strip_hop_by_hop(&mut parts.headers);
+            let mut watch = Watch::new(start);
+            let counter = m.requests.with_label_values(&[api, "unknown", &code]);
+            watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
+            Response::from_parts(parts, ObservedBody::watched(body.map_err(Into::into).boxed_unsync(), watch, state.config.idle_timeout))
+        }
+        Err(e) => {
+            m.upstream_errors.with_label_values(&[e.metric_kind()]).inc();
+            let err = ProxyError::Upstream(e);
+            m.requests.with_label_values(&[api, "unknown", err.status().as_str()]).inc();
+            error_response(&err, p, state.config.max_body_bytes)
+        }
+    }
+}
+
+/// Answer a recognised-API request with a tidemark error: the session hears
+/// a failed request (it neither anchors nor loses), the projection header stays.
+fn reject(state: &State, p: &dyn Provider, ins: Inspected, err: &ProxyError) -> Response<ObservedBody> {
+    let mut resp = error_response(err, p, state.config.max_body_bytes);
+    add_projection_headers(resp.headers_mut(), &ins.begun.projection, state.config.warn_at);
+    let code = resp.status().as_u16();
+    let m = metrics::get();
+    m.requests.with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()]).inc();
+    let Inspected { begun, .. } = ins;
+    state.sessions.finish(begun.ticket, Outcome { status: code, usage: Default::default(), response_id: None, completed: true });
+    resp
+}
+
+/// An upstream error response tidemark already read whole (the injection retry check).
+fn respond_buffered(state: &State, p: &dyn Provider, ins: Inspected, mut resp: Response<ObservedBody>) -> Response<ObservedBody> {
+    upstream::strip_hop_by_hop(resp.headers_mut());
+    add_projection_headers(resp.headers_mut(), &ins.begun.projection, state.config.warn_at);
+    let code = resp.status().as_u16();
+    metrics::get().requests.with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()]).inc();
+    let Inspected { begun, .. } = ins;
+    state.sessions.finish(begun.ticket, Outcome { status: code, usage: Default::default(), response_id: None, completed: true });
+    resp
+}
+
+/// record: the callback the tap fires once when the response ends. It tells
+/// the session what the provider reported and exports the drift.
+fn record(state: &Arc<State>, api: Api, status: u16, ins: Inspected) -> Box<dyn FnOnce(Finish) + Send> {
+    let m = metrics::get();
+    let a = api.as_str();
+    let ml = ins.model_label.clone();
+    let requests = m.requests.with_label_values(&[a, &ml, &status.to_string()]);
+    // The callback outlives this request's borrow of the state.
+    let state = Arc::clone(state);
+    Box::new(move |f: Finish| {
+        requests.inc();
+        let m = metrics::get();
+        let read = f.read.unwrap_or_default();
+        if read.parse_errors > 0 {
+            m.usage_parse_errors.with_label_values(&[a]).inc();
+        }
+        let usage = read.observed.usage;
+        let ok = (200..300).contains(&status);
+        if ok && f.completed && !usage.has_context() {
+            m.usage_missing.with_label_values(&[a, &ml]).inc();
+        }
+        if let Some(real) = usage.total_context {
+            let est = ins.estimate.tokens;
+            let proj = ins.begun.projection.tokens;
+            m.prompt_real.with_label_values(&[a, &ml]).inc_by(real);
+            m.prompt_estimated.with_label_values(&[a, &ml]).inc_by(est);
+            if real > 0 {
+                let r = real as f64;
+                if est > 0 {
+                    m.estimate_drift.with_label_values(&[a, &ml]).set(r / est as f64);
+                }
+                if proj > 0 {
+                    m.projection_drift.with_label_values(&[a, &ml]).set(r / proj as f64);
+                }
+                m.estimate_error.with_label_values(&[a, &ml]).observe((est as f64 - r) / r);
+                m.projection_error.with_label_values(&[a, &ml]).observe((proj as f64 - r) / r);
+            }
+        }
+        if let Some(c) = usage.cached_input {
+            m.cached_prompt.with_label_values(&[a, &ml]).inc_by(c);
+        }
+        if let Some(o) = usage.output {
+            m.output_tokens.with_label_values(&[a, &ml]).inc_by(o);
+        }
+        let completed = f.completed || usage.has_context();
+        state.sessions.finish(
+            ins.begun.ticket,
+            Outcome { status, usage, response_id: read.observed.response_id, completed },
+        );
+    })
+}

@@ -1,0 +1,261 @@
+//! Listeners: the proxy (HTTP/1.1 and h2c on one port) and the admin
+//! endpoints, connection limits, and graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::config::Config;
+use crate::metrics;
+use crate::proxy::{self, State};
+use crate::tap::ObservedBody;
+
+/// Why `run` could not start.
+#[derive(Debug)]
+pub enum StartError {
+    Config(String),
+    Io(std::io::Error),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Config(s) => write!(f, "configuration: {s}"),
+            StartError::Io(e) => write!(f, "listener: {e}"),
+        }
+    }
+}
+impl std::error::Error for StartError {}
+
+/// Serve the proxy on `listener` and the admin API on `admin` until `shutdown`
+/// resolves, then stop accepting and let in-flight requests finish for up to
+/// `--shutdown-grace`.
+pub async fn run(
+    listener: TcpListener,
+    admin: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), StartError> {
+    let grace = config.shutdown_grace;
+    let state = Arc::new(State::new(config).map_err(StartError::Config)?);
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let admin_task = tokio::spawn(serve_admin(admin, Arc::clone(&state), stop_rx.clone()));
+    let sweeper = {
+        let state = Arc::clone(&state);
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => state.sessions.sweep(Instant::now()),
+                    _ = stop.changed() => break,
+                }
+            }
+        })
+    };
+
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(state.config.header_read_timeout)
+        .max_buf_size(state.config.max_header_bytes.max(8192))
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(state.config.max_header_bytes.min(u32::MAX as usize) as u32)
+        .max_concurrent_streams(256);
+    let graceful = GracefulShutdown::new();
+    let limit = Arc::new(Semaphore::new(state.config.max_connections));
+    tokio::pin!(shutdown);
+
+    loop {
+        let permit = tokio::select! {
+            p = Arc::clone(&limit).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = &mut shutdown => break,
+        };
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    // Out of descriptors and the like: back off briefly, keep serving.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let st = Arc::clone(&state);
+        let svc = service_fn(move |req: Request<Incoming>| proxy::handle(Arc::clone(&st), req));
+        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(permit);
+        });
+    }
+
+    drop(listener);
+    tracing::info!("shutting down: draining in-flight requests");
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing remaining connections"),
+    }
+    let _ = stop_tx.send(true);
+    let _ = sweeper.await;
+    let _ = admin_task.await;
+    Ok(())
+}
+
+async fn serve_admin(listener: TcpListener, state: Arc<State>, mut stop: watch::Receiver<bool>) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10));
+    loop {
+        let stream = tokio::select! {
+            r = listener.accept() => match r { Ok((s, _)) => s, Err(_) => { tokio::time::sleep(Duration::from_millis(50)).await; continue } },
+            _ = stop.changed() => break,
+        };
+        let st = Arc::clone(&state);
+        let svc = service_fn(move |req: Request<Incoming>| {
+            let st = Arc::clone(&st);
+            async move { Ok::<_, Infallible>(admin(&st, req)) }
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+}
+
+fn json(status: StatusCode, v: &serde_json::Value) -> Response<ObservedBody> {
+    let mut r = Response::new(ObservedBody::full(serde_json::to_vec(v).unwrap_or_default()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn text(status: StatusCode, s: &'static str) -> Response<ObservedBody> {
+    let mut r = Response::new(ObservedBody::full(Bytes::from_static(s.as_bytes())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r
+}
+
+/// Compare without leaking the position of the first difference through timing.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u8 | ((a.len() ^ b.len()) >> 8) as u8;
+    for (i, x) in a.iter().enumerate() {
+        let y = b.get(i % b.len().max(1)).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    diff == 0 && a.len() == b.len()
+}
+
+fn percent_decode(s: &str) -> String {
+    fn hex(c: u8) -> Option<u8> {
+        (c as char).to_digit(16).map(|d| d as u8)
+    }
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while let Some(&c) = b.get(i) {
+        if c == b'%' {
+            if let (Some(h), Some(l)) = (b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+                out.push(h << 4 | l);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(c);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
+    query?.split('&').find_map(|kv| kv.split_once('=').filter(|(k, _)| *k == name).map(|(_, v)| v))
+}
+
+/// The admin API: `/healthz`, `/readyz`, `/metrics`, `/sessions`, `/sessions/{key}`.
+fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
+    let path = req.uri().path();
+    if path == "/healthz" {
+        return text(StatusCode::OK, "ok\n");
+    }
+    if let Some(token) = &state.config.admin_token {
+        let given = req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
+        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            let mut r = json(StatusCode::UNAUTHORIZED, &serde_json::json!({"error": "admin token required"}));
+            r.headers_mut().insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return r;
+        }
+    }
+    let query = req.uri().query();
+    match (req.method(), path) {
+        (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
+        (&Method::GET, "/metrics") => {
+            let mut r = Response::new(ObservedBody::full(metrics::get().render()));
+            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+            r
+        }
+        (&Method::GET, "/sessions") => {
+            let limit = query_param(query, "limit").and_then(|v| v.parse().ok()).unwrap_or(100usize).min(10_000);
+            json(StatusCode::OK, &state.sessions.list(limit))
+        }
+        (m, p) if p.starts_with("/sessions/") => {
+            let key = percent_decode(&p["/sessions/".len()..]);
+            match *m {
+                Method::GET => match state.sessions.get(&key, query_param(query, "credential")) {
+                    Some(v) => json(StatusCode::OK, &v),
+                    None => json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "no such session"})),
+                },
+                Method::DELETE => {
+                    if state.sessions.reset(&key) {
+                        json(StatusCode::OK, &serde_json::json!({"reset": true}))
+                    } else {
+                        json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "no such session"}))
+                    }
+                }
+                _ => text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
+            }
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_works() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("fp%3Aabc"), "fp:abc");
+        assert_eq!(percent_decode("a%2"), "a%2");
+        assert_eq!(percent_decode("plain"), "plain");
+    }
+}

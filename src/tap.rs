@@ -1,0 +1,222 @@
+//! The response body wrapper: forwards every frame untouched and at once,
+//! lets the usage reader watch the bytes go by, and fires one callback when
+//! the body ends, fails or is dropped.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use pin_project_lite::pin_project;
+use prometheus::Histogram;
+use tokio::time::Sleep;
+
+use crate::inject::UsageStripper;
+use crate::usage::{ReadOutcome, UsageReader};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type InnerBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// How a response body ended.
+#[derive(Debug)]
+pub struct Finish {
+    /// What the usage reader saw, if the response was tapped.
+    pub read: Option<ReadOutcome>,
+    /// The body reached its end (false: upstream error, idle timeout or client gone).
+    pub completed: bool,
+    /// Why it did not complete, when it failed on the upstream side.
+    pub upstream_failed: bool,
+    pub idle_timeout: bool,
+    /// Body bytes forwarded to the client.
+    pub bytes: u64,
+}
+
+/// Per-response observation state; dropped (and the callback fired) once.
+pub struct Watch {
+    pub start: Instant,
+    pub ttfb: Option<Histogram>,
+    pub duration: Option<Histogram>,
+    pub reader: Option<UsageReader>,
+    pub stripper: Option<UsageStripper>,
+    pub on_finish: Option<Box<dyn FnOnce(Finish) + Send>>,
+    first_byte: bool,
+    bytes: u64,
+}
+
+impl Watch {
+    pub fn new(start: Instant) -> Self {
+        Watch { start, ttfb: None, duration: None, reader: None, stripper: None, on_finish: None, first_byte: false, bytes: 0 }
+    }
+
+    fn finish(&mut self, completed: bool, upstream_failed: bool, idle_timeout: bool) {
+        let Some(cb) = self.on_finish.take() else { return };
+        if let Some(h) = &self.duration {
+            h.observe(self.start.elapsed().as_secs_f64());
+        }
+        let read = self.reader.as_mut().map(|r| r.finish());
+        cb(Finish { read, completed, upstream_failed, idle_timeout, bytes: self.bytes });
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        // The client went away (or the server dropped the response) mid-body.
+        self.finish(false, false, false);
+    }
+}
+
+pin_project! {
+    /// A response body on its way to the client.
+    pub struct ObservedBody {
+        #[pin]
+        inner: InnerBody,
+        #[pin]
+        idle: Option<Sleep>,
+        idle_timeout: Duration,
+        watch: Option<Box<Watch>>,
+        done: bool,
+    }
+}
+
+#[derive(Debug)]
+struct IdleTimeout;
+impl std::fmt::Display for IdleTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("upstream stream idle timeout")
+    }
+}
+impl std::error::Error for IdleTimeout {}
+
+impl ObservedBody {
+    /// A body with nothing to watch (tidemark's own responses, admin).
+    pub fn plain(inner: InnerBody) -> Self {
+        ObservedBody { inner, idle: None, idle_timeout: Duration::ZERO, watch: None, done: false }
+    }
+
+    pub fn watched(inner: InnerBody, watch: Watch, idle_timeout: Duration) -> Self {
+        ObservedBody {
+            inner,
+            idle: Some(tokio::time::sleep(idle_timeout)),
+            idle_timeout,
+            watch: Some(Box::new(watch)),
+            done: false,
+        }
+    }
+
+    pub fn full(bytes: impl Into<Bytes>) -> Self {
+        use http_body_util::BodyExt;
+        Self::plain(http_body_util::Full::new(bytes.into()).map_err(|e| match e {}).boxed_unsync())
+    }
+}
+
+impl Body for ObservedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            match this.inner.as_mut().poll_frame(cx) {
+                Poll::Pending => {
+                    if let Some(idle) = this.idle.as_mut().as_pin_mut() {
+                        if idle.poll(cx).is_ready() {
+                            *this.done = true;
+                            if let Some(mut w) = this.watch.take() {
+                                w.finish(false, true, true);
+                            }
+                            return Poll::Ready(Some(Err(Box::new(IdleTimeout))));
+                        }
+                    }
+                    return Poll::Pending;
+                }
+                Poll::Ready(None) => {
+                    *this.done = true;
+                    if let Some(mut w) = this.watch.take() {
+                        if let Some(s) = w.stripper.as_mut() {
+                            let mut out = BytesMut::new();
+                            s.finish(&mut out);
+                            if !out.is_empty() {
+                                w.bytes += out.len() as u64;
+                                w.finish(true, false, false);
+                                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                            }
+                        }
+                        w.finish(true, false, false);
+                    }
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    *this.done = true;
+                    if let Some(mut w) = this.watch.take() {
+                        w.finish(false, true, false);
+                    }
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Some(w) = this.watch.as_mut() else {
+                        return Poll::Ready(Some(Ok(frame)));
+                    };
+                    if let Some(idle) = this.idle.as_mut().as_pin_mut() {
+                        let deadline = tokio::time::Instant::now() + *this.idle_timeout;
+                        idle.reset(deadline);
+                    }
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            if let Some(r) = w.reader.as_mut() {
+                                r.feed(&data);
+                            }
+                            let ended = this.inner.is_end_stream();
+                            let data = match w.stripper.as_mut() {
+                                Some(s) => {
+                                    let mut out = BytesMut::new();
+                                    s.push(&data, &mut out);
+                                    if ended {
+                                        s.finish(&mut out);
+                                    }
+                                    if out.is_empty() && !ended {
+                                        continue;
+                                    }
+                                    out.freeze()
+                                }
+                                None => data,
+                            };
+                            if !w.first_byte && !data.is_empty() {
+                                w.first_byte = true;
+                                if let Some(h) = &w.ttfb {
+                                    h.observe(w.start.elapsed().as_secs_f64());
+                                }
+                            }
+                            w.bytes += data.len() as u64;
+                            if ended {
+                                *this.done = true;
+                                if let Some(mut w) = this.watch.take() {
+                                    w.finish(true, false, false);
+                                }
+                            }
+                            Frame::data(data)
+                        }
+                        Err(other) => other,
+                    };
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || (self.watch.is_none() && self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.watch {
+            Some(w) if w.stripper.is_some() => SizeHint::default(),
+            _ => self.inner.size_hint(),
+        }
+    }
+}

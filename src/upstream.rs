@@ -1,0 +1,216 @@
+//! The one pooled upstream client (rustls, HTTP/2 by ALPN), hop-by-hop header
+//! handling, and the classification of upstream failures.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION};
+use http_body_util::combinators::UnsyncBoxBody;
+use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+
+use crate::config::Config;
+
+/// Request bodies sent upstream: the inspected bytes, or the client's stream.
+pub type UpBody = UnsyncBoxBody<Bytes, hyper::Error>;
+
+pub type Client = HyperClient<TimedConnector, UpBody>;
+
+/// Why an upstream exchange failed; each maps to a status and an
+/// `x-tidemark-error` kind in `proxy.rs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamError {
+    Connect,
+    Tls,
+    Reset,
+    Timeout,
+}
+
+impl UpstreamError {
+    /// The `tidemark_upstream_errors_total{kind}` label.
+    pub fn metric_kind(self) -> &'static str {
+        match self {
+            UpstreamError::Connect => "connect",
+            UpstreamError::Tls => "tls",
+            UpstreamError::Reset => "reset",
+            UpstreamError::Timeout => "timeout",
+        }
+    }
+    /// The `x-tidemark-error` value.
+    pub fn header_kind(self) -> &'static str {
+        match self {
+            UpstreamError::Connect => "upstream-connect",
+            UpstreamError::Tls => "upstream-tls",
+            UpstreamError::Reset => "upstream-reset",
+            UpstreamError::Timeout => "upstream-timeout",
+        }
+    }
+
+    /// Classify a client error by walking its source chain.
+    pub fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {
+        let mut tls = false;
+        let mut timeout = false;
+        let mut src: Option<&(dyn StdError + 'static)> = e.source();
+        while let Some(s) = src {
+            if s.downcast_ref::<rustls::Error>().is_some() {
+                tls = true;
+            }
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                if io.kind() == std::io::ErrorKind::TimedOut {
+                    timeout = true;
+                }
+                if let Some(inner) = io.get_ref() {
+                    if inner.downcast_ref::<rustls::Error>().is_some() {
+                        tls = true;
+                    }
+                }
+            }
+            src = s.source();
+        }
+        if tls {
+            UpstreamError::Tls
+        } else if timeout {
+            UpstreamError::Timeout
+        } else if e.is_connect() {
+            UpstreamError::Connect
+        } else {
+            UpstreamError::Reset
+        }
+    }
+}
+
+/// Wraps the HTTPS connector so that TCP connect plus TLS handshake together
+/// respect `--connect-timeout`.
+#[derive(Clone)]
+pub struct TimedConnector {
+    inner: HttpsConnector<HttpConnector>,
+    timeout: Duration,
+}
+
+type BoxErr = Box<dyn StdError + Send + Sync>;
+
+impl tower_service::Service<http::Uri> for TimedConnector {
+    type Response = MaybeHttpsStream<TokioIo<TcpStream>>;
+    type Error = BoxErr;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxErr>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxErr>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let fut = self.inner.call(uri);
+        let t = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(t, fut).await {
+                Ok(r) => r,
+                Err(_) => Err(Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, "upstream connect timed out")) as BoxErr),
+            }
+        })
+    }
+}
+
+/// Build the shared client: webpki roots plus `--upstream-ca`, HTTP/1.1 and
+/// HTTP/2 offered by ALPN, keep-alive pooling.
+pub fn client(config: &Config) -> Result<Client, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    if let Some(path) = &config.upstream_ca {
+        let pem = std::fs::read(path).map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+        let mut n = 0;
+        for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+            let cert = cert.map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            roots.add(cert).map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            n += 1;
+        }
+        if n == 0 {
+            return Err(format!("--upstream-ca {}: no PEM certificate found", path.display()));
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(config.connect_timeout));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    let connector = TimedConnector { inner: https, timeout: config.connect_timeout };
+    Ok(HyperClient::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(256)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(connector))
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1 and the classic RFC 2616 list).
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authenticate",
+    "proxy-authorization",
+];
+
+/// Remove hop-by-hop headers, including every header the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for h in HOP_BY_HOP {
+        headers.remove(*h);
+    }
+}
+
+/// `Host` for an upstream authority.
+pub fn host_value(authority: &http::uri::Authority) -> Option<HeaderValue> {
+    HeaderValue::from_str(authority.as_str()).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("keep-alive, x-private"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("authorization", HeaderValue::from_static("Bearer k"));
+        h.insert("retry-after", HeaderValue::from_static("3"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 2);
+        assert!(h.contains_key("authorization") && h.contains_key("retry-after"));
+    }
+}
