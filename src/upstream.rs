@@ -54,26 +54,31 @@ impl UpstreamError {
         }
     }
 
-    /// Classify a client error by walking its source chain.
+    /// Classify a client error by walking its source chain (through the
+    /// errors that `io::Error`s wrap, which `source()` skips).
     pub fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {
-        let mut tls = false;
-        let mut timeout = false;
-        let mut src: Option<&(dyn StdError + 'static)> = e.source();
-        while let Some(s) = src {
-            if s.downcast_ref::<rustls::Error>().is_some() {
-                tls = true;
+        fn walk(e: &(dyn StdError + 'static), tls: &mut bool, timeout: &mut bool, depth: u8) {
+            if depth > 16 {
+                return;
             }
-            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if e.downcast_ref::<rustls::Error>().is_some() {
+                *tls = true;
+            }
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
                 if io.kind() == std::io::ErrorKind::TimedOut {
-                    timeout = true;
+                    *timeout = true;
                 }
                 if let Some(inner) = io.get_ref() {
-                    if inner.downcast_ref::<rustls::Error>().is_some() {
-                        tls = true;
-                    }
+                    walk(inner, tls, timeout, depth + 1);
                 }
             }
-            src = s.source();
+            if let Some(s) = e.source() {
+                walk(s, tls, timeout, depth + 1);
+            }
+        }
+        let (mut tls, mut timeout) = (false, false);
+        if let Some(s) = e.source() {
+            walk(s, &mut tls, &mut timeout, 0);
         }
         if tls {
             UpstreamError::Tls
