@@ -5,8 +5,11 @@ use clap::Parser;
 use tidemark::config::{Cli, Command, LogFormat};
 
 fn init_logs(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("TIDEMARK_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TIDEMARK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => b.json().init(),
         LogFormat::Text => b.init(),
@@ -51,14 +54,26 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logs(cli.flags.log_format);
     match cli.command {
-        Some(Command::Demo { turns, keep_running }) => {
+        Some(Command::Demo {
+            turns,
+            keep_running,
+        }) => {
             let flags = cli.flags.clone();
-            tidemark::demo::main(flags, turns, keep_running).await.map_err(anyhow::Error::msg).context("demo")?;
+            tidemark::demo::main(flags, turns, keep_running)
+                .await
+                .map_err(anyhow::Error::msg)
+                .context("demo")?;
             Ok(())
         }
         None => {
-            let config = cli.flags.resolve().map_err(anyhow::Error::msg).context("invalid flags")?;
-            let listener = tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding --listen {}", config.listen))?;
+            let config = cli
+                .flags
+                .resolve()
+                .map_err(anyhow::Error::msg)
+                .context("invalid flags")?;
+            let listener = tokio::net::TcpListener::bind(config.listen)
+                .await
+                .with_context(|| format!("binding --listen {}", config.listen))?;
             let admin = tokio::net::TcpListener::bind(config.admin_listen)
                 .await
                 .with_context(|| format!("binding --admin-listen {}", config.admin_listen))?;

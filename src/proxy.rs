@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use dashmap::DashSet;
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{
+    HeaderMap, HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE,
+};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -44,8 +46,17 @@ pub const MAX_SESSION_KEY: usize = 256;
 impl State {
     pub fn new(config: Config) -> Result<State, String> {
         let client = upstream::client(&config)?;
-        let sessions = Sessions::new(SessionConfig { ttl: config.session_ttl, max_sessions: config.max_sessions });
-        Ok(State { client, estimator: Estimator::new(ESTIMATE_CACHE_BYTES), sessions, no_stream_options: DashSet::new(), config })
+        let sessions = Sessions::new(SessionConfig {
+            ttl: config.session_ttl,
+            max_sessions: config.max_sessions,
+        });
+        Ok(State {
+            client,
+            estimator: Estimator::new(ESTIMATE_CACHE_BYTES),
+            sessions,
+            no_stream_options: DashSet::new(),
+            config,
+        })
     }
 }
 
@@ -71,7 +82,9 @@ impl ProxyError {
             ProxyError::ClientBody => StatusCode::BAD_REQUEST,
             ProxyError::Upstream(UpstreamError::Timeout) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
-            ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. } => {
+                StatusCode::BAD_REQUEST
+            }
         }
     }
     fn kind(&self) -> &'static str {
@@ -85,12 +98,22 @@ impl ProxyError {
     }
     fn message(&self, max_body: usize) -> String {
         match self {
-            ProxyError::BodyTooLarge => format!("request body exceeds the proxy's limit of {max_body} bytes"),
+            ProxyError::BodyTooLarge => {
+                format!("request body exceeds the proxy's limit of {max_body} bytes")
+            }
             ProxyError::ClientBody => "the request body could not be read".to_string(),
-            ProxyError::Upstream(UpstreamError::Connect) => "tidemark could not connect to the upstream".to_string(),
-            ProxyError::Upstream(UpstreamError::Tls) => "TLS handshake with the upstream failed".to_string(),
-            ProxyError::Upstream(UpstreamError::Reset) => "the upstream closed the connection before answering".to_string(),
-            ProxyError::Upstream(UpstreamError::Timeout) => "the upstream did not answer in time".to_string(),
+            ProxyError::Upstream(UpstreamError::Connect) => {
+                "tidemark could not connect to the upstream".to_string()
+            }
+            ProxyError::Upstream(UpstreamError::Tls) => {
+                "TLS handshake with the upstream failed".to_string()
+            }
+            ProxyError::Upstream(UpstreamError::Reset) => {
+                "the upstream closed the connection before answering".to_string()
+            }
+            ProxyError::Upstream(UpstreamError::Timeout) => {
+                "the upstream did not answer in time".to_string()
+            }
             ProxyError::ContextBudget { projected, window } => {
                 format!("projected prompt of {projected} tokens is over the budget for a {window}-token window")
             }
@@ -119,11 +142,23 @@ fn shape_provider(path: &str) -> &'static dyn Provider {
 }
 
 /// Map an error to its response: status, body in the API's shape, `x-tidemark-error`.
-pub fn error_response(err: &ProxyError, p: &dyn Provider, max_body: usize) -> Response<ObservedBody> {
+pub fn error_response(
+    err: &ProxyError,
+    p: &dyn Provider,
+    max_body: usize,
+) -> Response<ObservedBody> {
     let shape = match err {
-        ProxyError::ContextBudget { projected, window } => ErrorShape::ContextLength { projected: *projected, window: *window },
-        ProxyError::SessionBudget { spent, budget } => ErrorShape::SessionBudget { spent: *spent, budget: *budget },
-        other => ErrorShape::Generic { status: other.status().as_u16() },
+        ProxyError::ContextBudget { projected, window } => ErrorShape::ContextLength {
+            projected: *projected,
+            window: *window,
+        },
+        ProxyError::SessionBudget { spent, budget } => ErrorShape::SessionBudget {
+            spent: *spent,
+            budget: *budget,
+        },
+        other => ErrorShape::Generic {
+            status: other.status().as_u16(),
+        },
     };
     let body = p.error_body(shape, err.kind(), &err.message(max_body));
     let mut resp = Response::new(ObservedBody::full(body));
@@ -131,7 +166,10 @@ pub fn error_response(err: &ProxyError, p: &dyn Provider, max_body: usize) -> Re
     let h = resp.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     h.insert(X_TIDEMARK_ERROR, HeaderValue::from_static(err.kind()));
-    if matches!(err, ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. }) {
+    if matches!(
+        err,
+        ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. }
+    ) {
         h.insert(X_SHOULD_RETRY, HeaderValue::from_static("false"));
     }
     resp
@@ -157,12 +195,19 @@ struct Inspected {
 }
 
 /// The spine. Every request passes here, top to bottom.
-pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<ObservedBody>, Infallible> {
+pub async fn handle(
+    state: Arc<State>,
+    req: Request<Incoming>,
+) -> Result<Response<ObservedBody>, Infallible> {
     let start = Instant::now();
     // route: which upstream, and is this an API tidemark understands?
     let path = req.uri().path().to_string();
     let upstream = state.config.upstream_for(&path).clone();
-    let api = if req.method() == http::Method::POST { provider::for_path(&path) } else { None };
+    let api = if req.method() == http::Method::POST {
+        provider::for_path(&path)
+    } else {
+        None
+    };
     let Some(p) = api else {
         return Ok(passthrough(&state, req, &upstream, start).await);
     };
@@ -170,7 +215,12 @@ pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Respons
 }
 
 /// A request tidemark does not read: its body streams through.
-async fn passthrough(state: &State, req: Request<Incoming>, upstream: &Upstream, start: Instant) -> Response<ObservedBody> {
+async fn passthrough(
+    state: &State,
+    req: Request<Incoming>,
+    upstream: &Upstream,
+    start: Instant,
+) -> Response<ObservedBody> {
     let (parts, body) = req.into_parts();
     let shape = shape_provider(parts.uri.path());
     let body: UpBody = body.boxed_unsync();
@@ -179,22 +229,34 @@ async fn passthrough(state: &State, req: Request<Incoming>, upstream: &Upstream,
         None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
     };
     let m = metrics::get();
-    m.proxy_overhead.with_label_values(&["other"]).observe(start.elapsed().as_secs_f64());
+    m.proxy_overhead
+        .with_label_values(&["other"])
+        .observe(start.elapsed().as_secs_f64());
     match send(state, up).await {
         Ok(resp) => {
             let code = resp.status().as_u16();
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m.requests.with_label_values(&["other", "none", &code.to_string()]);
+            let counter = m
+                .requests
+                .with_label_values(&["other", "none", &code.to_string()]);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
-            let body = ObservedBody::watched(body.map_err(Into::into).boxed_unsync(), watch, state.config.idle_timeout);
+            let body = ObservedBody::watched(
+                body.map_err(Into::into).boxed_unsync(),
+                watch,
+                state.config.idle_timeout,
+            );
             Response::from_parts(parts, body)
         }
         Err(e) => {
-            m.upstream_errors.with_label_values(&[e.metric_kind()]).inc();
+            m.upstream_errors
+                .with_label_values(&[e.metric_kind()])
+                .inc();
             let err = ProxyError::Upstream(e);
-            m.requests.with_label_values(&["other", "none", err.status().as_str()]).inc();
+            m.requests
+                .with_label_values(&["other", "none", err.status().as_str()])
+                .inc();
             error_response(&err, shape, state.config.max_body_bytes)
         }
     }
@@ -211,8 +273,17 @@ async fn send(state: &State, req: Request<UpBody>) -> Result<Response<Incoming>,
 
 /// The upstream request: same method, path under the upstream's prefix, query
 /// kept, headers minus hop-by-hop and `Host` (the client sets the upstream's).
-fn build_upstream_request(parts: &http::request::Parts, upstream: &Upstream, body: UpBody, edited: bool) -> Option<Request<UpBody>> {
-    let pq = parts.uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
+fn build_upstream_request(
+    parts: &http::request::Parts,
+    upstream: &Upstream,
+    body: UpBody,
+    edited: bool,
+) -> Option<Request<UpBody>> {
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
     let uri = http::Uri::builder()
         .scheme(upstream.scheme.clone())
         .authority(upstream.authority.clone())
@@ -249,9 +320,18 @@ fn decode_request(encoding: Option<&str>, body: &Bytes, cap: usize) -> Option<By
     let mut out = Vec::new();
     let limit = cap as u64 + 1;
     let ok = match enc.as_str() {
-        "gzip" | "x-gzip" => flate2::read::MultiGzDecoder::new(&body[..]).take(limit).read_to_end(&mut out).is_ok(),
-        "deflate" => flate2::read::ZlibDecoder::new(&body[..]).take(limit).read_to_end(&mut out).is_ok(),
-        "br" => brotli_decompressor::Decompressor::new(&body[..], 4096).take(limit).read_to_end(&mut out).is_ok(),
+        "gzip" | "x-gzip" => flate2::read::MultiGzDecoder::new(&body[..])
+            .take(limit)
+            .read_to_end(&mut out)
+            .is_ok(),
+        "deflate" => flate2::read::ZlibDecoder::new(&body[..])
+            .take(limit)
+            .read_to_end(&mut out)
+            .is_ok(),
+        "br" => brotli_decompressor::Decompressor::new(&body[..], 4096)
+            .take(limit)
+            .read_to_end(&mut out)
+            .is_ok(),
         "zstd" => match zstd::stream::read::Decoder::new(&body[..]) {
             Ok(d) => d.take(limit).read_to_end(&mut out).is_ok(),
             Err(_) => false,
@@ -267,7 +347,10 @@ fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
         .iter()
         .find_map(|h| headers.get(*h).map(|v| v.as_bytes().to_vec()))
         .or_else(|| {
-            query.and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("key=").map(|v| v.as_bytes().to_vec())))
+            query.and_then(|q| {
+                q.split('&')
+                    .find_map(|kv| kv.strip_prefix("key=").map(|v| v.as_bytes().to_vec()))
+            })
         });
     match cred {
         Some(c) if !c.is_empty() => {
@@ -280,7 +363,13 @@ fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
 
 /// The session key: the first configured session header present, else a
 /// fingerprint of (credential, API, system prompt, first user message).
-fn session_key(config: &Config, headers: &HeaderMap, p: &dyn Provider, view: &RequestView<'_>, credential: &str) -> Option<String> {
+fn session_key(
+    config: &Config,
+    headers: &HeaderMap,
+    p: &dyn Provider,
+    view: &RequestView<'_>,
+    credential: &str,
+) -> Option<String> {
     for h in &config.session_headers {
         if let Some(v) = headers.get(h.as_str()).and_then(|v| v.to_str().ok()) {
             let v = v.trim();
@@ -302,7 +391,9 @@ fn session_key(config: &Config, headers: &HeaderMap, p: &dyn Provider, view: &Re
     h.update(p.api().as_str().as_bytes());
     let mut any = false;
     for f in p.counted_fields() {
-        let Some(raw) = view.raw(f.name) else { continue };
+        let Some(raw) = view.raw(f.name) else {
+            continue;
+        };
         if f.name == "tools" {
             continue;
         }
@@ -331,7 +422,13 @@ fn session_key(config: &Config, headers: &HeaderMap, p: &dyn Provider, view: &Re
         return None;
     }
     let d = h.finalize();
-    Some(format!("fp:{}", d.iter().take(8).map(|b| format!("{b:02x}")).collect::<String>()))
+    Some(format!(
+        "fp:{}",
+        d.iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    ))
 }
 
 fn is_user_message(raw: &str) -> bool {
@@ -340,7 +437,10 @@ fn is_user_message(raw: &str) -> bool {
         #[serde(borrow)]
         role: Option<std::borrow::Cow<'a, str>>,
     }
-    serde_json::from_str::<Role>(raw).ok().and_then(|r| r.role).is_some_and(|r| r == "user")
+    serde_json::from_str::<Role>(raw)
+        .ok()
+        .and_then(|r| r.role)
+        .is_some_and(|r| r == "user")
 }
 
 /// RFC 8941 dictionary for `x-context-warning`.
@@ -399,7 +499,10 @@ async fn api_request(
     let body = match Limited::new(body, cfg.max_body_bytes).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => {
-            let err = if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            let err = if e
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 m.limits_hit.with_label_values(&["body"]).inc();
                 ProxyError::BodyTooLarge
             } else {
@@ -408,7 +511,10 @@ async fn api_request(
             return error_response(&err, p, cfg.max_body_bytes);
         }
     };
-    let encoding = parts.headers.get(CONTENT_ENCODING).and_then(|v| v.to_str().ok());
+    let encoding = parts
+        .headers
+        .get(CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok());
     let decoded = decode_request(encoding, &body, cfg.max_body_bytes.saturating_mul(8));
     let view = decoded.as_deref().and_then(RequestView::parse);
     let Some(view) = view else {
@@ -423,8 +529,13 @@ async fn api_request(
     let estimate = state.estimator.estimate(p, &view, model.as_deref());
     let credential = credential_hash(&parts.headers, query);
     let key = session_key(cfg, &parts.headers, p, &view, &credential);
-    let reset = parts.headers.get(X_CONTEXT_RESET).is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
-    let window = model.as_deref().and_then(|m| crate::window::window_for(&cfg.context_windows, m));
+    let reset = parts
+        .headers
+        .get(X_CONTEXT_RESET)
+        .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
+    let window = model
+        .as_deref()
+        .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
     let begun = state.sessions.begin(RequestFacts {
         key,
         credential,
@@ -441,35 +552,64 @@ async fn api_request(
     // usage injection: OpenAI chat streams get include_usage unless the client asked or the upstream refused.
     let mut edited = None;
     let mut injected = false;
-    if api == Api::OpenAiChat && stream && cfg.inject_usage && encoding.is_none() && !state.no_stream_options.contains(upstream.authority.as_str()) {
+    if api == Api::OpenAiChat
+        && stream
+        && cfg.inject_usage
+        && encoding.is_none()
+        && !state
+            .no_stream_options
+            .contains(upstream.authority.as_str())
+    {
         if let Some(b) = crate::inject::inject_include_usage(&body, &view) {
             edited = Some(Bytes::from(b));
             injected = true;
         }
     }
     drop(view);
-    let mut ins = Inspected { model_label, stream, estimate, begun, max_output, edited, injected };
+    let mut ins = Inspected {
+        model_label,
+        stream,
+        estimate,
+        begun,
+        max_output,
+        edited,
+        injected,
+    };
     if let Some(u) = ins.begun.projection.util() {
-        m.utilization.with_label_values(&[api.as_str(), &ins.model_label]).observe(u);
+        m.utilization
+            .with_label_values(&[api.as_str(), &ins.model_label])
+            .observe(u);
     }
 
     // policy: session budget, then the context budget.
     if let Some(budget) = cfg.session_budget {
         if ins.begun.spent > budget {
-            let err = ProxyError::SessionBudget { spent: ins.begun.spent, budget };
+            let err = ProxyError::SessionBudget {
+                spent: ins.begun.spent,
+                budget,
+            };
             return reject(state, p, ins, &err);
         }
     }
     if let Some(w) = ins.begun.projection.window {
-        let reserve = if cfg.reserve_output { ins.max_output.unwrap_or(0) } else { 0 };
+        let reserve = if cfg.reserve_output {
+            ins.max_output.unwrap_or(0)
+        } else {
+            0
+        };
         let projected = ins.begun.projection.tokens + reserve;
         if projected as f64 > cfg.limit_at * w as f64 {
             let action = cfg.on_over;
-            m.over_budget.with_label_values(&[api.as_str(), &ins.model_label, action.as_str()]).inc();
+            m.over_budget
+                .with_label_values(&[api.as_str(), &ins.model_label, action.as_str()])
+                .inc();
             match action {
                 OnOver::Pass => {}
                 OnOver::Reject | OnOver::Trim => {
-                    let err = ProxyError::ContextBudget { projected, window: w };
+                    let err = ProxyError::ContextBudget {
+                        projected,
+                        window: w,
+                    };
                     return reject(state, p, ins, &err);
                 }
             }
@@ -482,7 +622,9 @@ async fn api_request(
     let Some(up) = build_upstream_request(&parts, upstream, full(send_body), edited_now) else {
         return reject(state, p, ins, &ProxyError::ClientBody);
     };
-    m.proxy_overhead.with_label_values(&[api.as_str()]).observe(start.elapsed().as_secs_f64());
+    m.proxy_overhead
+        .with_label_values(&[api.as_str()])
+        .observe(start.elapsed().as_secs_f64());
     if ins.injected {
         m.usage_injected.with_label_values(&[api.as_str()]).inc();
     }
@@ -493,9 +635,15 @@ async fn api_request(
         if let Ok(resp) = result {
             if resp.status() == StatusCode::BAD_REQUEST {
                 let (rparts, rbody) = resp.into_parts();
-                let bytes = Limited::new(rbody, 1 << 20).collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                let bytes = Limited::new(rbody, 1 << 20)
+                    .collect()
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
                 if crate::inject::mentions_stream_options(&bytes) {
-                    state.no_stream_options.insert(upstream.authority.as_str().to_string());
+                    state
+                        .no_stream_options
+                        .insert(upstream.authority.as_str().to_string());
                     ins.injected = false;
                     ins.edited = None;
                     match build_upstream_request(&parts, upstream, full(body.clone()), false) {
@@ -516,7 +664,9 @@ async fn api_request(
     let resp = match result {
         Ok(r) => r,
         Err(e) => {
-            m.upstream_errors.with_label_values(&[e.metric_kind()]).inc();
+            m.upstream_errors
+                .with_label_values(&[e.metric_kind()])
+                .inc();
             return reject(state, p, ins, &ProxyError::Upstream(e));
         }
     };
@@ -530,8 +680,14 @@ async fn api_request(
     watch.ttfb = Some(m.ttfb.with_label_values(&[api.as_str()]));
     watch.duration = Some(m.request_duration.with_label_values(&[api.as_str()]));
     if status.is_success() {
-        let ct = rparts.headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
-        let ce = rparts.headers.get(CONTENT_ENCODING).and_then(|v| v.to_str().ok());
+        let ct = rparts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        let ce = rparts
+            .headers
+            .get(CONTENT_ENCODING)
+            .and_then(|v| v.to_str().ok());
         watch.reader = Some(UsageReader::new(p, p.framing(ct, ins.stream), ce));
         if ins.injected && ce.is_none() {
             watch.stripper = Some(crate::inject::UsageStripper::new());
@@ -539,18 +695,31 @@ async fn api_request(
         }
     }
     watch.on_finish = Some(record(state, api, status.as_u16(), ins));
-    let body = ObservedBody::watched(rbody.map_err(Into::into).boxed_unsync(), watch, cfg.idle_timeout);
+    let body = ObservedBody::watched(
+        rbody.map_err(Into::into).boxed_unsync(),
+        watch,
+        cfg.idle_timeout,
+    );
     Response::from_parts(rparts, body)
 }
 
 /// Forward a request whose body tidemark could not read as JSON: untouched, no projection.
-async fn forward_unread(state: &State, parts: http::request::Parts, body: Bytes, upstream: &Upstream, p: &dyn Provider, start: Instant) -> Response<ObservedBody> {
+async fn forward_unread(
+    state: &State,
+    parts: http::request::Parts,
+    body: Bytes,
+    upstream: &Upstream,
+    p: &dyn Provider,
+    start: Instant,
+) -> Response<ObservedBody> {
     let m = metrics::get();
     let api = p.api().as_str();
     let Some(up) = build_upstream_request(&parts, upstream, full(body), false) else {
         return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
     };
-    m.proxy_overhead.with_label_values(&[api]).observe(start.elapsed().as_secs_f64());
+    m.proxy_overhead
+        .with_label_values(&[api])
+        .observe(start.elapsed().as_secs_f64());
     match send(state, up).await {
         Ok(resp) => {
             let code = resp.status().as_u16().to_string();
@@ -559,12 +728,23 @@ async fn forward_unread(state: &State, parts: http::request::Parts, body: Bytes,
             let mut watch = Watch::new(start);
             let counter = m.requests.with_label_values(&[api, "unknown", &code]);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
-            Response::from_parts(parts, ObservedBody::watched(body.map_err(Into::into).boxed_unsync(), watch, state.config.idle_timeout))
+            Response::from_parts(
+                parts,
+                ObservedBody::watched(
+                    body.map_err(Into::into).boxed_unsync(),
+                    watch,
+                    state.config.idle_timeout,
+                ),
+            )
         }
         Err(e) => {
-            m.upstream_errors.with_label_values(&[e.metric_kind()]).inc();
+            m.upstream_errors
+                .with_label_values(&[e.metric_kind()])
+                .inc();
             let err = ProxyError::Upstream(e);
-            m.requests.with_label_values(&[api, "unknown", err.status().as_str()]).inc();
+            m.requests
+                .with_label_values(&[api, "unknown", err.status().as_str()])
+                .inc();
             error_response(&err, p, state.config.max_body_bytes)
         }
     }
@@ -572,31 +752,75 @@ async fn forward_unread(state: &State, parts: http::request::Parts, body: Bytes,
 
 /// Answer a recognised-API request with a tidemark error: the session hears
 /// a failed request (it neither anchors nor loses), the projection header stays.
-fn reject(state: &State, p: &dyn Provider, ins: Inspected, err: &ProxyError) -> Response<ObservedBody> {
+fn reject(
+    state: &State,
+    p: &dyn Provider,
+    ins: Inspected,
+    err: &ProxyError,
+) -> Response<ObservedBody> {
     let mut resp = error_response(err, p, state.config.max_body_bytes);
-    add_projection_headers(resp.headers_mut(), &ins.begun.projection, state.config.warn_at);
+    add_projection_headers(
+        resp.headers_mut(),
+        &ins.begun.projection,
+        state.config.warn_at,
+    );
     let code = resp.status().as_u16();
     let m = metrics::get();
-    m.requests.with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()]).inc();
+    m.requests
+        .with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()])
+        .inc();
     let Inspected { begun, .. } = ins;
-    state.sessions.finish(begun.ticket, Outcome { status: code, usage: Default::default(), response_id: None, completed: true });
+    state.sessions.finish(
+        begun.ticket,
+        Outcome {
+            status: code,
+            usage: Default::default(),
+            response_id: None,
+            completed: true,
+        },
+    );
     resp
 }
 
 /// An upstream error response tidemark already read whole (the injection retry check).
-fn respond_buffered(state: &State, p: &dyn Provider, ins: Inspected, mut resp: Response<ObservedBody>) -> Response<ObservedBody> {
+fn respond_buffered(
+    state: &State,
+    p: &dyn Provider,
+    ins: Inspected,
+    mut resp: Response<ObservedBody>,
+) -> Response<ObservedBody> {
     upstream::strip_hop_by_hop(resp.headers_mut());
-    add_projection_headers(resp.headers_mut(), &ins.begun.projection, state.config.warn_at);
+    add_projection_headers(
+        resp.headers_mut(),
+        &ins.begun.projection,
+        state.config.warn_at,
+    );
     let code = resp.status().as_u16();
-    metrics::get().requests.with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()]).inc();
+    metrics::get()
+        .requests
+        .with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()])
+        .inc();
     let Inspected { begun, .. } = ins;
-    state.sessions.finish(begun.ticket, Outcome { status: code, usage: Default::default(), response_id: None, completed: true });
+    state.sessions.finish(
+        begun.ticket,
+        Outcome {
+            status: code,
+            usage: Default::default(),
+            response_id: None,
+            completed: true,
+        },
+    );
     resp
 }
 
 /// record: the callback the tap fires once when the response ends. It tells
 /// the session what the provider reported and exports the drift.
-fn record(state: &Arc<State>, api: Api, status: u16, ins: Inspected) -> Box<dyn FnOnce(Finish) + Send> {
+fn record(
+    state: &Arc<State>,
+    api: Api,
+    status: u16,
+    ins: Inspected,
+) -> Box<dyn FnOnce(Finish) + Send> {
     let m = metrics::get();
     let a = api.as_str();
     let ml = ins.model_label.clone();
@@ -623,13 +847,21 @@ fn record(state: &Arc<State>, api: Api, status: u16, ins: Inspected) -> Box<dyn 
             if real > 0 {
                 let r = real as f64;
                 if est > 0 {
-                    m.estimate_drift.with_label_values(&[a, &ml]).set(r / est as f64);
+                    m.estimate_drift
+                        .with_label_values(&[a, &ml])
+                        .set(r / est as f64);
                 }
                 if proj > 0 {
-                    m.projection_drift.with_label_values(&[a, &ml]).set(r / proj as f64);
+                    m.projection_drift
+                        .with_label_values(&[a, &ml])
+                        .set(r / proj as f64);
                 }
-                m.estimate_error.with_label_values(&[a, &ml]).observe((est as f64 - r) / r);
-                m.projection_error.with_label_values(&[a, &ml]).observe((proj as f64 - r) / r);
+                m.estimate_error
+                    .with_label_values(&[a, &ml])
+                    .observe((est as f64 - r) / r);
+                m.projection_error
+                    .with_label_values(&[a, &ml])
+                    .observe((proj as f64 - r) / r);
             }
         }
         if let Some(c) = usage.cached_input {
@@ -641,7 +873,12 @@ fn record(state: &Arc<State>, api: Api, status: u16, ins: Inspected) -> Box<dyn 
         let completed = f.completed || usage.has_context();
         state.sessions.finish(
             ins.begun.ticket,
-            Outcome { status, usage, response_id: read.observed.response_id, completed },
+            Outcome {
+                status,
+                usage,
+                response_id: read.observed.response_id,
+                completed,
+            },
         );
     })
 }

@@ -103,7 +103,9 @@ pub async fn run(
         let _ = stream.set_nodelay(true);
         let st = Arc::clone(&state);
         let svc = service_fn(move |req: Request<Incoming>| proxy::handle(Arc::clone(&st), req));
-        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;
@@ -125,7 +127,10 @@ pub async fn run(
 
 async fn serve_admin(listener: TcpListener, state: Arc<State>, mut stop: watch::Receiver<bool>) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(Duration::from_secs(10));
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
     loop {
         let stream = tokio::select! {
             r = listener.accept() => match r { Ok((s, _)) => s, Err(_) => { tokio::time::sleep(Duration::from_millis(50)).await; continue } },
@@ -136,7 +141,9 @@ async fn serve_admin(listener: TcpListener, state: Arc<State>, mut stop: watch::
             let st = Arc::clone(&st);
             async move { Ok::<_, Infallible>(admin(&st, req)) }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .into_owned();
         tokio::spawn(async move {
             let _ = conn.await;
         });
@@ -144,16 +151,22 @@ async fn serve_admin(listener: TcpListener, state: Arc<State>, mut stop: watch::
 }
 
 fn json(status: StatusCode, v: &serde_json::Value) -> Response<ObservedBody> {
-    let mut r = Response::new(ObservedBody::full(serde_json::to_vec(v).unwrap_or_default()));
+    let mut r = Response::new(ObservedBody::full(
+        serde_json::to_vec(v).unwrap_or_default(),
+    ));
     *r.status_mut() = status;
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
 }
 
 fn text(status: StatusCode, s: &'static str) -> Response<ObservedBody> {
     let mut r = Response::new(ObservedBody::full(Bytes::from_static(s.as_bytes())));
     *r.status_mut() = status;
-    r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     r
 }
 
@@ -176,7 +189,10 @@ fn percent_decode(s: &str) -> String {
     let mut i = 0;
     while let Some(&c) = b.get(i) {
         if c == b'%' {
-            if let (Some(h), Some(l)) = (b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            if let (Some(h), Some(l)) = (
+                b.get(i + 1).copied().and_then(hex),
+                b.get(i + 2).copied().and_then(hex),
+            ) {
                 out.push(h << 4 | l);
                 i += 3;
                 continue;
@@ -189,7 +205,11 @@ fn percent_decode(s: &str) -> String {
 }
 
 fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
-    query?.split('&').find_map(|kv| kv.split_once('=').filter(|(k, _)| *k == name).map(|(_, v)| v))
+    query?.split('&').find_map(|kv| {
+        kv.split_once('=')
+            .filter(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+    })
 }
 
 /// The admin API: `/healthz`, `/readyz`, `/metrics`, `/sessions`, `/sessions/{key}`.
@@ -199,10 +219,21 @@ fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
         return text(StatusCode::OK, "ok\n");
     }
     if let Some(token) = &state.config.admin_token {
-        let given = req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
+        let given = req
+            .headers()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
         if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
-            let mut r = json(StatusCode::UNAUTHORIZED, &serde_json::json!({"error": "admin token required"}));
-            r.headers_mut().insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            let mut r = json(
+                StatusCode::UNAUTHORIZED,
+                &serde_json::json!({"error": "admin token required"}),
+            );
+            r.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            );
             return r;
         }
     }
@@ -211,11 +242,17 @@ fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
         (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
         (&Method::GET, "/metrics") => {
             let mut r = Response::new(ObservedBody::full(metrics::get().render()));
-            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+            r.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
             r
         }
         (&Method::GET, "/sessions") => {
-            let limit = query_param(query, "limit").and_then(|v| v.parse().ok()).unwrap_or(100usize).min(10_000);
+            let limit = query_param(query, "limit")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(100usize)
+                .min(10_000);
             json(StatusCode::OK, &state.sessions.list(limit))
         }
         (m, p) if p.starts_with("/sessions/") => {
@@ -223,13 +260,19 @@ fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
             match *m {
                 Method::GET => match state.sessions.get(&key, query_param(query, "credential")) {
                     Some(v) => json(StatusCode::OK, &v),
-                    None => json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "no such session"})),
+                    None => json(
+                        StatusCode::NOT_FOUND,
+                        &serde_json::json!({"error": "no such session"}),
+                    ),
                 },
                 Method::DELETE => {
                     if state.sessions.reset(&key) {
                         json(StatusCode::OK, &serde_json::json!({"reset": true}))
                     } else {
-                        json(StatusCode::NOT_FOUND, &serde_json::json!({"error": "no such session"}))
+                        json(
+                            StatusCode::NOT_FOUND,
+                            &serde_json::json!({"error": "no such session"}),
+                        )
                     }
                 }
                 _ => text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),

@@ -51,7 +51,9 @@ pub struct Projection {
 
 impl Projection {
     pub fn util(&self) -> Option<f64> {
-        self.window.filter(|w| *w > 0).map(|w| self.tokens as f64 / w as f64)
+        self.window
+            .filter(|w| *w > 0)
+            .map(|w| self.tokens as f64 / w as f64)
     }
     pub fn header_value(&self) -> String {
         format!("{};src={}", self.tokens, self.src.as_str())
@@ -82,7 +84,12 @@ impl Sessions {
     }
     pub fn begin(&self, facts: RequestFacts) -> Begun {
         Begun {
-            projection: Projection { tokens: facts.estimate, src: Src::Estimate, window: facts.window, turns_left: None },
+            projection: Projection {
+                tokens: facts.estimate,
+                src: Src::Estimate,
+                window: facts.window,
+                turns_left: None,
+            },
             ticket: Ticket,
             spent: 0,
             key: facts.key,

@@ -48,16 +48,33 @@ pub struct Watch {
 
 impl Watch {
     pub fn new(start: Instant) -> Self {
-        Watch { start, ttfb: None, duration: None, reader: None, stripper: None, on_finish: None, first_byte: false, bytes: 0 }
+        Watch {
+            start,
+            ttfb: None,
+            duration: None,
+            reader: None,
+            stripper: None,
+            on_finish: None,
+            first_byte: false,
+            bytes: 0,
+        }
     }
 
     fn finish(&mut self, completed: bool, upstream_failed: bool, idle_timeout: bool) {
-        let Some(cb) = self.on_finish.take() else { return };
+        let Some(cb) = self.on_finish.take() else {
+            return;
+        };
         if let Some(h) = &self.duration {
             h.observe(self.start.elapsed().as_secs_f64());
         }
         let read = self.reader.as_mut().map(|r| r.finish());
-        cb(Finish { read, completed, upstream_failed, idle_timeout, bytes: self.bytes });
+        cb(Finish {
+            read,
+            completed,
+            upstream_failed,
+            idle_timeout,
+            bytes: self.bytes,
+        });
     }
 }
 
@@ -93,7 +110,13 @@ impl std::error::Error for IdleTimeout {}
 impl ObservedBody {
     /// A body with nothing to watch (tidemark's own responses, admin).
     pub fn plain(inner: InnerBody) -> Self {
-        ObservedBody { inner, idle: None, idle_timeout: Duration::ZERO, watch: None, done: false }
+        ObservedBody {
+            inner,
+            idle: None,
+            idle_timeout: Duration::ZERO,
+            watch: None,
+            done: false,
+        }
     }
 
     pub fn watched(inner: InnerBody, watch: Watch, idle_timeout: Duration) -> Self {
@@ -108,7 +131,11 @@ impl ObservedBody {
 
     pub fn full(bytes: impl Into<Bytes>) -> Self {
         use http_body_util::BodyExt;
-        Self::plain(http_body_util::Full::new(bytes.into()).map_err(|e| match e {}).boxed_unsync())
+        Self::plain(
+            http_body_util::Full::new(bytes.into())
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        )
     }
 }
 
@@ -116,7 +143,10 @@ impl Body for ObservedBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
         if *this.done {
             return Poll::Ready(None);

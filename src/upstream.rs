@@ -117,7 +117,10 @@ impl tower_service::Service<http::Uri> for TimedConnector {
         Box::pin(async move {
             match tokio::time::timeout(t, fut).await {
                 Ok(r) => r,
-                Err(_) => Err(Box::new(std::io::Error::new(std::io::ErrorKind::TimedOut, "upstream connect timed out")) as BoxErr),
+                Err(_) => Err(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "upstream connect timed out",
+                )) as BoxErr),
             }
         })
     }
@@ -129,15 +132,21 @@ pub fn client(config: &Config) -> Result<Client, String> {
     let mut roots = rustls::RootCertStore::empty();
     roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
     if let Some(path) = &config.upstream_ca {
-        let pem = std::fs::read(path).map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+        let pem =
+            std::fs::read(path).map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
         let mut n = 0;
         for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
             let cert = cert.map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
-            roots.add(cert).map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
             n += 1;
         }
         if n == 0 {
-            return Err(format!("--upstream-ca {}: no PEM certificate found", path.display()));
+            return Err(format!(
+                "--upstream-ca {}: no PEM certificate found",
+                path.display()
+            ));
         }
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -157,7 +166,10 @@ pub fn client(config: &Config) -> Result<Client, String> {
         .enable_http1()
         .enable_http2()
         .wrap_connector(http);
-    let connector = TimedConnector { inner: https, timeout: config.connect_timeout };
+    let connector = TimedConnector {
+        inner: https,
+        timeout: config.connect_timeout,
+    };
     Ok(HyperClient::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(256)
@@ -208,7 +220,10 @@ mod tests {
     #[test]
     fn strips_hop_by_hop_and_connection_named() {
         let mut h = HeaderMap::new();
-        h.insert("connection", HeaderValue::from_static("keep-alive, x-private"));
+        h.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, x-private"),
+        );
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert("x-private", HeaderValue::from_static("1"));
         h.insert("te", HeaderValue::from_static("trailers"));

@@ -38,7 +38,10 @@ fn split(b: &Bytes, cuts: &[usize]) -> Vec<Bytes> {
 
 fn replay_upstream(body: Bytes, ct: &'static str, gz: bool, cuts: Vec<usize>) -> Handler {
     handler(move |_req| {
-        let mut r = Response::builder().status(200).header("content-type", ct).header("x-upstream-custom", "kept");
+        let mut r = Response::builder()
+            .status(200)
+            .header("content-type", ct)
+            .header("x-upstream-custom", "kept");
         if gz {
             r = r.header("content-encoding", "gzip");
         }
@@ -52,15 +55,28 @@ async fn every_fixture_arrives_byte_for_byte_in_every_chunking_over_h1_and_h2c()
     for (name, ct, path, req_body) in stream_fixtures() {
         let body = fixture(&name);
         let gz = name.ends_with(".gz");
-        let mut chunkings: Vec<(String, Vec<usize>)> = vec![("whole".into(), vec![body.len()]), ("random".into(), random_cuts(body.len(), name.len() as u64 * 7919, 97))];
+        let mut chunkings: Vec<(String, Vec<usize>)> = vec![
+            ("whole".into(), vec![body.len()]),
+            (
+                "random".into(),
+                random_cuts(body.len(), name.len() as u64 * 7919, 97),
+            ),
+        ];
         if body.len() <= 8192 {
             chunkings.push(("bytewise".into(), (1..=body.len()).collect()));
         }
         for (label, cuts) in chunkings {
             let up = upstream(replay_upstream(body.clone(), ct, gz, cuts)).await;
-            let px = proxy(&up.url(), &["--route", &format!("/v1/messages={}", up.url())]).await;
+            let px = proxy(
+                &up.url(),
+                &["--route", &format!("/v1/messages={}", up.url())],
+            )
+            .await;
             for (proto, client) in [("h1", client_h1()), ("h2c", client_h2c())] {
-                let req = Request::post(px.url(&path)).header("content-type", "application/json").body(full(req_body.clone())).unwrap();
+                let req = Request::post(px.url(&path))
+                    .header("content-type", "application/json")
+                    .body(full(req_body.clone()))
+                    .unwrap();
                 let (parts, got) = send(&client, req).await;
                 assert_eq!(parts.status, StatusCode::OK, "{name} {label} {proto}");
                 assert_eq!(got, body, "{name} {label} {proto}: body differs");
@@ -88,11 +104,18 @@ async fn streams_are_not_buffered() {
             if let Some(s) = tx_slot.lock().unwrap().take() {
                 let _ = s.send(tx);
             }
-            Response::builder().header("content-type", "text/event-stream").body(body).unwrap()
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body)
+                .unwrap()
         }))
         .await;
         let px = proxy(&up.url(), &[]).await;
-        let client = if proto == "h1" { client_h1() } else { client_h2c() };
+        let client = if proto == "h1" {
+            client_h1()
+        } else {
+            client_h2c()
+        };
         let req = Request::post(px.url("/v1/chat/completions"))
             .body(full(r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#))
             .unwrap();
@@ -101,11 +124,16 @@ async fn streams_are_not_buffered() {
         let tx = within(10, rx_slot).await.unwrap();
         let mut body = resp.into_body();
         for k in 0..20 {
-            let chunk = Bytes::from(format!("data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{k}\"}}}}]}}\n\n"));
+            let chunk = Bytes::from(format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{k}\"}}}}]}}\n\n"
+            ));
             within(10, tx.send(chunk.clone())).await.unwrap();
             let mut got = Vec::new();
             while got.len() < chunk.len() {
-                let frame = within(10, body.frame()).await.expect("frame").expect("no error");
+                let frame = within(10, body.frame())
+                    .await
+                    .expect("frame")
+                    .expect("no error");
                 if let Ok(d) = frame.into_data() {
                     got.extend_from_slice(&d);
                 }
@@ -149,27 +177,53 @@ async fn headers_pass_both_ways_hop_by_hop_dropped_host_rewritten() {
         .header("proxy-authorization", "Basic abc")
         .header("x-context-reset", "1")
         .header("host", "tidemark.local")
-        .body(full(r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#))
+        .body(full(
+            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#,
+        ))
         .unwrap();
     let (parts, body) = send(&client, req).await;
     assert_eq!(parts.status, 429);
     assert_eq!(parts.headers.get("retry-after").unwrap(), "7");
-    assert_eq!(parts.headers.get("x-ratelimit-remaining-requests").unwrap(), "0");
-    assert_eq!(parts.headers.get("anthropic-ratelimit-tokens-reset").unwrap(), "2026-12-02T00:00:00Z");
+    assert_eq!(
+        parts.headers.get("x-ratelimit-remaining-requests").unwrap(),
+        "0"
+    );
+    assert_eq!(
+        parts
+            .headers
+            .get("anthropic-ratelimit-tokens-reset")
+            .unwrap(),
+        "2026-12-02T00:00:00Z"
+    );
     assert_eq!(parts.headers.get("x-unknown-response").unwrap(), "v");
     assert!(parts.headers.get("x-hop-resp").is_none());
     assert!(parts.headers.get("keep-alive").is_none());
-    assert!(parts.headers.get("x-context-projection").is_some(), "projection on upstream errors too");
+    assert!(
+        parts.headers.get("x-context-projection").is_some(),
+        "projection on upstream errors too"
+    );
     assert!(std::str::from_utf8(&body).unwrap().contains("slow down"));
 
     let (seen, _) = up.seen.last();
-    assert_eq!(seen.headers.get("authorization").unwrap(), "Bearer sk-test-123");
+    assert_eq!(
+        seen.headers.get("authorization").unwrap(),
+        "Bearer sk-test-123"
+    );
     assert_eq!(seen.headers.get("x-unknown-request").unwrap(), "u");
     assert!(seen.headers.get("x-hop-req").is_none());
     assert!(seen.headers.get("proxy-authorization").is_none());
-    assert!(seen.headers.get("x-context-reset").is_none(), "x-context-reset is consumed");
-    assert_eq!(seen.headers.get("host").unwrap().to_str().unwrap(), up.addr.to_string());
-    assert_eq!(seen.uri.path_and_query().unwrap().as_str(), "/v1/chat/completions?api-version=2024");
+    assert!(
+        seen.headers.get("x-context-reset").is_none(),
+        "x-context-reset is consumed"
+    );
+    assert_eq!(
+        seen.headers.get("host").unwrap().to_str().unwrap(),
+        up.addr.to_string()
+    );
+    assert_eq!(
+        seen.uri.path_and_query().unwrap().as_str(),
+        "/v1/chat/completions?api-version=2024"
+    );
     px.stop().await;
 }
 
@@ -177,14 +231,24 @@ async fn headers_pass_both_ways_hop_by_hop_dropped_host_rewritten() {
 async fn upstream_path_prefix_and_routes() {
     let a = upstream(handler(|_r| Response::new(full("A")))).await;
     let b = upstream(handler(|_r| Response::new(full("B")))).await;
-    let px = proxy(&format!("{}/api", a.url()), &["--route", &format!("/v1/messages={}/anthropic", b.url())]).await;
+    let px = proxy(
+        &format!("{}/api", a.url()),
+        &["--route", &format!("/v1/messages={}/anthropic", b.url())],
+    )
+    .await;
     let c = client_h1();
     let (_, body) = get(&c, &px.url("/v1/models?x=1")).await;
     assert_eq!(body, "A");
-    assert_eq!(a.seen.last().0.uri.path_and_query().unwrap().as_str(), "/api/v1/models?x=1");
+    assert_eq!(
+        a.seen.last().0.uri.path_and_query().unwrap().as_str(),
+        "/api/v1/models?x=1"
+    );
     let (_, body) = post_json(&c, &px.url("/v1/messages/count_tokens"), "{}").await;
     assert_eq!(body, "B");
-    assert_eq!(b.seen.last().0.uri.path(), "/anthropic/v1/messages/count_tokens");
+    assert_eq!(
+        b.seen.last().0.uri.path(),
+        "/anthropic/v1/messages/count_tokens"
+    );
     px.stop().await;
 }
 
@@ -200,19 +264,33 @@ async fn closed_upstream_is_502_in_the_apis_own_shape() {
     let dead = closed_port().await;
     let px = proxy(&dead, &["--route", &format!("/v1/messages={dead}")]).await;
     let c = client_h1();
-    let (parts, body) = post_json(&c, &px.url("/v1/chat/completions"), r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#).await;
+    let (parts, body) = post_json(
+        &c,
+        &px.url("/v1/chat/completions"),
+        r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await;
     assert_eq!(parts.status, 502);
-    assert_eq!(parts.headers.get("x-tidemark-error").unwrap(), "upstream-connect");
+    assert_eq!(
+        parts.headers.get("x-tidemark-error").unwrap(),
+        "upstream-connect"
+    );
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     for k in ["message", "type", "param", "code"] {
         assert!(v["error"].get(k).is_some(), "OpenAI error has {k}: {v}");
     }
     let (parts, body) = post_json(&c, &px.url("/v1/messages"), r#"{"model":"claude-sonnet-4-5","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#).await;
     assert_eq!(parts.status, 502);
-    assert_eq!(parts.headers.get("x-tidemark-error").unwrap(), "upstream-connect");
+    assert_eq!(
+        parts.headers.get("x-tidemark-error").unwrap(),
+        "upstream-connect"
+    );
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["type"], "error");
-    assert!(v["error"]["type"].is_string() && v["error"]["message"].is_string(), "{v}");
+    assert!(
+        v["error"]["type"].is_string() && v["error"]["message"].is_string(),
+        "{v}"
+    );
     // Paths tidemark does not read get a 502 too.
     let (parts, _) = get(&c, &px.url("/v1/models")).await;
     assert_eq!(parts.status, 502);
@@ -222,12 +300,27 @@ async fn closed_upstream_is_502_in_the_apis_own_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_body_is_413_in_the_apis_own_shape_and_never_forwarded() {
     let up = upstream(handler(|_r| Response::new(full("{}")))).await;
-    let px = proxy(&up.url(), &["--max-body-bytes", "200", "--route", &format!("/v1/messages={}", up.url())]).await;
-    let big = format!(r#"{{"model":"gpt-4o","messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(500));
+    let px = proxy(
+        &up.url(),
+        &[
+            "--max-body-bytes",
+            "200",
+            "--route",
+            &format!("/v1/messages={}", up.url()),
+        ],
+    )
+    .await;
+    let big = format!(
+        r#"{{"model":"gpt-4o","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(500)
+    );
     let c = client_h1();
     let (parts, body) = post_json(&c, &px.url("/v1/chat/completions"), &big).await;
     assert_eq!(parts.status, 413);
-    assert_eq!(parts.headers.get("x-tidemark-error").unwrap(), "body-too-large");
+    assert_eq!(
+        parts.headers.get("x-tidemark-error").unwrap(),
+        "body-too-large"
+    );
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert!(v["error"]["message"].is_string());
     let (parts, body) = post_json(&c, &px.url("/v1/messages"), &big).await;
@@ -237,7 +330,9 @@ async fn oversized_body_is_413_in_the_apis_own_shape_and_never_forwarded() {
     assert_eq!(v["error"]["type"], "request_too_large");
     // Without a content-length (h2c, streamed) the cap still holds.
     let (tx, b) = channel_body();
-    let req = Request::post(px.url("/v1/chat/completions")).body(b).unwrap();
+    let req = Request::post(px.url("/v1/chat/completions"))
+        .body(b)
+        .unwrap();
     let h2 = client_h2c();
     let fut = tokio::spawn(async move { send(&h2, req).await });
     for _ in 0..10 {
@@ -259,25 +354,36 @@ async fn client_disconnect_cancels_the_upstream_request() {
             let (tx, body) = channel_body();
             let closed_tx = Arc::clone(&closed_tx);
             tokio::spawn(async move {
-                let _ = tx.send(Bytes::from_static(b"data: {\"choices\":[]}\n\n")).await;
+                let _ = tx
+                    .send(Bytes::from_static(b"data: {\"choices\":[]}\n\n"))
+                    .await;
                 // Resolves when the proxy drops the upstream body.
                 tx.closed().await;
                 if let Some(s) = closed_tx.lock().unwrap().take() {
                     let _ = s.send(());
                 }
             });
-            Response::builder().header("content-type", "text/event-stream").body(body).unwrap()
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body)
+                .unwrap()
         }))
         .await;
         let px = proxy(&up.url(), &[]).await;
-        let client = if proto == "h1" { client_h1() } else { client_h2c() };
+        let client = if proto == "h1" {
+            client_h1()
+        } else {
+            client_h2c()
+        };
         let req = Request::post(px.url("/v1/chat/completions")).body(full(r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[]}"#)).unwrap();
         let resp = within(10, client.request(req)).await.unwrap();
         let mut body = resp.into_body();
         let _first = within(10, body.frame()).await.unwrap().unwrap();
         drop(body);
         drop(client);
-        within(10, closed_rx).await.expect("upstream saw the cancel");
+        within(10, closed_rx)
+            .await
+            .expect("upstream saw the cancel");
         px.stop().await;
     }
 }

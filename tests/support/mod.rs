@@ -21,11 +21,15 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
-pub type Handler = Arc<dyn Fn(Request<Bytes>) -> Pin<Box<dyn Future<Output = Response<Body>> + Send>> + Send + Sync>;
+pub type Handler = Arc<
+    dyn Fn(Request<Bytes>) -> Pin<Box<dyn Future<Output = Response<Body>> + Send>> + Send + Sync,
+>;
 
 /// Fail the test instead of hanging.
 pub async fn within<T>(secs: u64, f: impl Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(secs), f).await.expect("timed out waiting")
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("timed out waiting")
 }
 
 pub fn full(b: impl Into<Bytes>) -> Body {
@@ -35,13 +39,21 @@ pub fn full(b: impl Into<Bytes>) -> Body {
 /// A body fed from a channel: each message is one chunk on the wire.
 pub fn channel_body() -> (mpsc::Sender<Bytes>, Body) {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let s = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx)) });
+    let s = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+    });
     (tx, StreamBody::new(s).boxed_unsync())
 }
 
 /// A body that sends the given chunks in order.
 pub fn chunked(chunks: Vec<Bytes>) -> Body {
-    let s = futures_util::stream::iter(chunks.into_iter().map(|b| Ok::<_, Infallible>(Frame::data(b))));
+    let s = futures_util::stream::iter(
+        chunks
+            .into_iter()
+            .map(|b| Ok::<_, Infallible>(Frame::data(b))),
+    );
     StreamBody::new(s).boxed_unsync()
 }
 
@@ -56,7 +68,12 @@ impl Seen {
         self.requests.lock().unwrap().len()
     }
     pub fn last(&self) -> (http::request::Parts, Bytes) {
-        self.requests.lock().unwrap().last().cloned().expect("upstream saw a request")
+        self.requests
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("upstream saw a request")
     }
 }
 
@@ -93,16 +110,29 @@ pub async fn upstream(handler: Handler) -> Upstream {
                     let seen = seen.clone();
                     async move {
                         let (parts, body) = req.into_parts();
-                        let bytes = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-                        seen.requests.lock().unwrap().push((parts.clone(), bytes.clone()));
+                        let bytes = body
+                            .collect()
+                            .await
+                            .map(|c| c.to_bytes())
+                            .unwrap_or_default();
+                        seen.requests
+                            .lock()
+                            .unwrap()
+                            .push((parts.clone(), bytes.clone()));
                         Ok::<_, Infallible>(h(Request::from_parts(parts, bytes)).await)
                     }
                 });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
             });
         }
     });
-    Upstream { addr, seen, _stop: stop }
+    Upstream {
+        addr,
+        seen,
+        _stop: stop,
+    }
 }
 
 /// A handler from a plain closure returning a response.
@@ -163,7 +193,12 @@ pub async fn proxy_with(config: tidemark::Config) -> Proxy {
         .await
         .expect("proxy runs");
     });
-    Proxy { addr, admin: admin_addr, stop: Some(stop), task: Some(task) }
+    Proxy {
+        addr,
+        admin: admin_addr,
+        stop: Some(stop),
+        task: Some(task),
+    }
 }
 
 pub type TestClient = Client<hyper_util::client::legacy::connect::HttpConnector, Body>;
@@ -173,7 +208,9 @@ pub fn client_h1() -> TestClient {
 }
 
 pub fn client_h2c() -> TestClient {
-    Client::builder(TokioExecutor::new()).http2_only(true).build_http()
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
 }
 
 pub fn post(url: &str, body: impl Into<Bytes>) -> http::request::Builder {
@@ -183,9 +220,14 @@ pub fn post(url: &str, body: impl Into<Bytes>) -> http::request::Builder {
 
 /// Send and collect: (status, headers, body, chunk sizes as received).
 pub async fn send(client: &TestClient, req: Request<Body>) -> (http::response::Parts, Bytes) {
-    let resp = within(30, client.request(req)).await.expect("proxy answers");
+    let resp = within(30, client.request(req))
+        .await
+        .expect("proxy answers");
     let (parts, body) = resp.into_parts();
-    let bytes = within(30, body.collect()).await.expect("body reads").to_bytes();
+    let bytes = within(30, body.collect())
+        .await
+        .expect("body reads")
+        .to_bytes();
     (parts, bytes)
 }
 
@@ -193,8 +235,15 @@ pub async fn get(client: &TestClient, url: &str) -> (http::response::Parts, Byte
     send(client, Request::get(url).body(full(Bytes::new())).unwrap()).await
 }
 
-pub async fn post_json(client: &TestClient, url: &str, body: &str) -> (http::response::Parts, Bytes) {
-    let req = Request::post(url).header("content-type", "application/json").body(full(body.to_string())).unwrap();
+pub async fn post_json(
+    client: &TestClient,
+    url: &str,
+    body: &str,
+) -> (http::response::Parts, Bytes) {
+    let req = Request::post(url)
+        .header("content-type", "application/json")
+        .body(full(body.to_string()))
+        .unwrap();
     send(client, req).await
 }
 
@@ -207,8 +256,17 @@ pub fn fixture(rel: &str) -> Bytes {
 pub fn stream_fixtures() -> Vec<(String, &'static str, String, String)> {
     let dir = format!("{}/tests/fixtures", env!("CARGO_MANIFEST_DIR"));
     let mut out = Vec::new();
-    for folder in ["openai-chat", "openai-responses", "anthropic-messages", "gemini", "ollama"] {
-        let mut names: Vec<String> = std::fs::read_dir(format!("{dir}/{folder}")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    for folder in [
+        "openai-chat",
+        "openai-responses",
+        "anthropic-messages",
+        "gemini",
+        "ollama",
+    ] {
+        let mut names: Vec<String> = std::fs::read_dir(format!("{dir}/{folder}"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         names.sort();
         for n in names {
             if n == "expected.json" || n.ends_with("_request.json") {
@@ -232,18 +290,45 @@ pub fn stream_fixtures() -> Vec<(String, &'static str, String, String)> {
 pub fn request_for(folder: &str, name: &str) -> (String, String) {
     let stream = name.contains("stream");
     match folder {
-        "openai-chat" => ("/v1/chat/completions".into(), format!(r#"{{"model":"gpt-4o","stream":{stream},"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"hello"}}]}}"#)),
-        "openai-responses" => ("/v1/responses".into(), format!(r#"{{"model":"gpt-4o","stream":{stream},"input":"hello"}}"#)),
-        "anthropic-messages" => ("/v1/messages".into(), format!(r#"{{"model":"claude-sonnet-4-5","max_tokens":100,"stream":{stream},"messages":[{{"role":"user","content":"hello"}}]}}"#)),
+        "openai-chat" => (
+            "/v1/chat/completions".into(),
+            format!(
+                r#"{{"model":"gpt-4o","stream":{stream},"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"hello"}}]}}"#
+            ),
+        ),
+        "openai-responses" => (
+            "/v1/responses".into(),
+            format!(r#"{{"model":"gpt-4o","stream":{stream},"input":"hello"}}"#),
+        ),
+        "anthropic-messages" => (
+            "/v1/messages".into(),
+            format!(
+                r#"{{"model":"claude-sonnet-4-5","max_tokens":100,"stream":{stream},"messages":[{{"role":"user","content":"hello"}}]}}"#
+            ),
+        ),
         "gemini" => (
-            if stream { "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse".into() } else { "/v1beta/models/gemini-2.5-flash:generateContent".into() },
+            if stream {
+                "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse".into()
+            } else {
+                "/v1beta/models/gemini-2.5-flash:generateContent".into()
+            },
             r#"{"contents":[{"role":"user","parts":[{"text":"hello"}]}]}"#.into(),
         ),
         _ => {
             if name.starts_with("v1_") {
-                ("/v1/chat/completions".into(), format!(r#"{{"model":"llama3.2","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"hello"}}]}}"#))
+                (
+                    "/v1/chat/completions".into(),
+                    format!(
+                        r#"{{"model":"llama3.2","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"hello"}}]}}"#
+                    ),
+                )
             } else {
-                ("/api/chat".into(), format!(r#"{{"model":"llama3.2","stream":{stream},"messages":[{{"role":"user","content":"hello"}}]}}"#))
+                (
+                    "/api/chat".into(),
+                    format!(
+                        r#"{{"model":"llama3.2","stream":{stream},"messages":[{{"role":"user","content":"hello"}}]}}"#
+                    ),
+                )
             }
         }
     }

@@ -1,0 +1,368 @@
+//! Throughput and latency of tidemark against a direct connection and nginx
+//! (a pass-through proxy that parses nothing: the floor for any proxy), all
+//! measured in one run on this machine.
+//!
+//!     cargo run --release --example bench [-- --secs 3]
+//!
+//! The upstream, tidemark and the load generator each get their own tokio
+//! runtime; nginx (Debian package, `proxy_buffering off`) runs as its own
+//! process when `nginx` is on PATH, and is skipped with a note otherwise.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+const NONSTREAM: &str = include_str!("../tests/fixtures/openai-chat/nonstream_basic.json");
+
+fn stream_chunks(n: usize) -> Vec<Bytes> {
+    let mut v: Vec<Bytes> = (0..n)
+        .map(|i| Bytes::from(format!("data: {{\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"token {i} \"}},\"finish_reason\":null}}],\"usage\":null}}\n\n")))
+        .collect();
+    v.push(Bytes::from_static(b"data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[],\"usage\":{\"prompt_tokens\":1000,\"completion_tokens\":20,\"total_tokens\":1020}}\n\ndata: [DONE]\n\n"));
+    v
+}
+
+/// The in-process upstream: `/fast` non-stream, `/stream` 20 chunks at once,
+/// `/slow` one chunk after 20 ms (time to first byte).
+async fn upstream() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let _ = s.set_nodelay(true);
+            tokio::spawn(async move {
+                let svc = service_fn(|req: Request<Incoming>| async move {
+                    let path = req.uri().path().to_string();
+                    let _ = req.into_body().collect().await;
+                    let resp: Response<Body> = if path.ends_with("/stream/chat/completions") {
+                        let s = futures_util::stream::iter(
+                            stream_chunks(20)
+                                .into_iter()
+                                .map(|b| Ok::<_, Infallible>(Frame::data(b))),
+                        );
+                        Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(StreamBody::new(s).boxed_unsync())
+                            .unwrap()
+                    } else if path.ends_with("/slow/chat/completions") {
+                        let s = futures_util::stream::unfold(0u8, |i| async move {
+                            match i {
+                                0 => {
+                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                    Some((
+                                        Ok::<_, Infallible>(Frame::data(
+                                            stream_chunks(1).remove(0),
+                                        )),
+                                        1,
+                                    ))
+                                }
+                                _ => None,
+                            }
+                        });
+                        Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(StreamBody::new(s).boxed_unsync())
+                            .unwrap()
+                    } else {
+                        Response::builder()
+                            .header("content-type", "application/json")
+                            .body(
+                                Full::new(Bytes::from_static(NONSTREAM.as_bytes())).boxed_unsync(),
+                            )
+                            .unwrap()
+                    };
+                    Ok::<_, Infallible>(resp)
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+fn history_body(bytes: usize) -> String {
+    let mut msgs =
+        vec![serde_json::json!({"role":"system","content":"You are a careful coding agent."})];
+    let mut i = 0;
+    let mut size = 0;
+    while size < bytes {
+        let text = match i % 4 {
+            0 => format!("Please refactor module {i}: the parser reads tokens, then builds a tree of nodes for every statement."),
+            1 => format!("{{\"tool\":\"read_file\",\"path\":\"src/m{i}.rs\",\"lines\":[{i},{},{}],\"ok\":true}}", i + 1, i + 2),
+            2 => "fn main() {\n    let v: Vec<u32> = (0..10).map(|x| x * 2).collect();\n    println!(\"{:?}\", v);\n}\n".repeat(3),
+            _ => "日本語のテキストと絵文字 🚀✨ も含まれています。".repeat(3),
+        };
+        size += text.len() + 40;
+        msgs.push(
+            serde_json::json!({"role": if i % 2 == 0 {"user"} else {"assistant"}, "content": text}),
+        );
+        i += 1;
+    }
+    serde_json::json!({"model":"gpt-4o","messages":msgs}).to_string()
+}
+
+struct Stats {
+    rps: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    v.sort();
+    v.get(((v.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or_default()
+}
+
+/// `conc` clients send `body` to `url` for `secs`; full responses are read.
+async fn load(url: String, body: Bytes, conc: usize, secs: f64, ttfb: bool) -> Stats {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(conc * 2)
+        .build_http();
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..conc {
+        let (client, url, body, stop) =
+            (client.clone(), url.clone(), body.clone(), Arc::clone(&stop));
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                let req = Request::post(&url)
+                    .header("content-type", "application/json")
+                    .body(Full::new(body.clone()))
+                    .unwrap();
+                let Ok(resp) = client.request(req).await else {
+                    continue;
+                };
+                let mut b = resp.into_body();
+                let mut first = None;
+                while let Some(f) = b.frame().await {
+                    if first.is_none() {
+                        first = Some(t.elapsed());
+                    }
+                    if f.is_err() {
+                        break;
+                    }
+                }
+                lat.push(if ttfb {
+                    first.unwrap_or_else(|| t.elapsed())
+                } else {
+                    t.elapsed()
+                });
+            }
+            lat
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs_f64(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let n = all.len();
+    Stats {
+        rps: n as f64 / elapsed,
+        p50: pct(&mut all, 0.5),
+        p99: pct(&mut all, 0.99),
+    }
+}
+
+fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::PathBuf)> {
+    let bin = ["/usr/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let dir = std::env::temp_dir().join(format!("tidemark-bench-nginx-{port}"));
+    std::fs::create_dir_all(&dir).ok()?;
+    let conf = format!(
+        "worker_processes 2;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n  client_max_body_size 64m;\n  client_body_buffer_size 1m;\n  upstream up {{ server {u}; keepalive 256; }}\n  server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://up;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n      proxy_request_buffering off;\n    }}\n  }}\n}}\n",
+        d = dir.display(),
+        u = upstream
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf).ok()?;
+    let child = std::process::Command::new(bin)
+        .arg("-c")
+        .arg(&path)
+        .arg("-e")
+        .arg(dir.join("error.log"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Some((child, port, dir));
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    None
+}
+
+fn runtime(threads: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn main() {
+    let secs: f64 = std::env::args()
+        .skip_while(|a| a != "--secs")
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3.0);
+    let up_rt = runtime(2);
+    let up = up_rt.block_on(upstream());
+
+    let px_rt = runtime(2);
+    let (px_addr, _admin) = px_rt.block_on(async {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addrs = (l.local_addr().unwrap(), a.local_addr().unwrap());
+        let config = tidemark::Config::from_args([
+            "tidemark",
+            "--upstream",
+            &format!("http://{up}"),
+            "--route",
+            &format!("/v1/messages=http://{up}"),
+        ])
+        .unwrap();
+        tokio::spawn(tidemark::run(l, a, config, std::future::pending()));
+        addrs
+    });
+    let ngx = nginx(up);
+
+    let gen = runtime(2);
+    let small = Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi."}]}"#);
+    let stream = Bytes::from_static(br#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Count to twenty."}]}"#);
+    let big = Bytes::from(history_body(400 * 1024));
+
+    let mut targets: Vec<(&str, String)> = vec![
+        ("direct", format!("http://{up}")),
+        ("tidemark", format!("http://{px_addr}")),
+    ];
+    if let Some((_, port, _)) = &ngx {
+        targets.insert(1, ("nginx", format!("http://127.0.0.1:{port}")));
+    } else {
+        println!("note: nginx not found (apt-get install nginx-light); its column is skipped");
+    }
+
+    let scenarios: [(&str, &str, &Bytes, usize, bool); 4] = [
+        (
+            "small non-stream, 32 conc",
+            "/v1/chat/completions",
+            &small,
+            32,
+            false,
+        ),
+        (
+            "20-chunk stream, 32 conc",
+            "/v1/stream/chat/completions",
+            &stream,
+            32,
+            false,
+        ),
+        (
+            "400 KB history, 8 conc",
+            "/v1/chat/completions",
+            &big,
+            8,
+            false,
+        ),
+        (
+            "slow stream TTFB, 4 conc",
+            "/v1/slow/chat/completions",
+            &stream,
+            4,
+            true,
+        ),
+    ];
+    println!("tidemark bench: {secs}s per cell, upstream/proxy/load each on its own 2-thread runtime, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!(
+        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>9}",
+        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs nginx"
+    );
+    for (name, path, body, conc, ttfb) in scenarios {
+        // Warm up the pools and the estimator's cache once per target.
+        let mut results = Vec::new();
+        for (tname, base) in &targets {
+            gen.block_on(load(format!("{base}{path}"), body.clone(), conc, 0.3, ttfb));
+            let s = gen.block_on(load(
+                format!("{base}{path}"),
+                body.clone(),
+                conc,
+                secs,
+                ttfb,
+            ));
+            results.push((*tname, s));
+        }
+        let nginx_rps = results
+            .iter()
+            .find(|(t, _)| *t == "nginx")
+            .map(|(_, s)| s.rps);
+        for (tname, s) in &results {
+            let vs = nginx_rps
+                .map(|n| format!("{:.2}x", s.rps / n))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9}",
+                name,
+                tname,
+                s.rps,
+                s.p50.as_secs_f64() * 1e3,
+                s.p99.as_secs_f64() * 1e3,
+                vs
+            );
+        }
+        if ttfb {
+            let direct = results
+                .iter()
+                .find(|(t, _)| *t == "direct")
+                .map(|(_, s)| s.p50);
+            if let Some(d) = direct {
+                for (tname, s) in &results {
+                    if *tname != "direct" {
+                        println!(
+                            "{:<28} {:<9} added TTFB p50 {:.3} ms",
+                            "",
+                            tname,
+                            (s.p50.as_secs_f64() - d.as_secs_f64()) * 1e3
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if let Some((mut child, _, dir)) = ngx {
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
