@@ -43,5 +43,9 @@ async fn sdks_see_rejections_as_their_own_errors_and_do_not_retry() {
         out.status.success() && stdout.contains("OK"),
         "SDK script failed (run scripts/test.sh to install openai/anthropic):\n{stdout}\n{stderr}"
     );
-    assert_eq!(up.seen.count(), 0, "a rejected request must never reach the upstream");
+    assert_eq!(
+        up.seen.count(),
+        0,
+        "a rejected request must never reach the upstream"
+    );
 }
