@@ -268,7 +268,7 @@ mod tests {
             inject(r#"{"stream_options":null}"#).as_deref(),
             Some(r#"{"stream_options":{"include_usage":true}}"#)
         );
-        assert_eq!(inject(" { } ").as_deref(), Some(r#" {"stream_options":{"include_usage":true}} "#));
+        assert_eq!(inject(" { } ").as_deref(), Some(r#" {"stream_options":{"include_usage":true} } "#));
         assert_eq!(inject(r#"{"stream_options":{"include_usage":false}}"#), None);
         assert_eq!(inject(r#"{"stream_options":{"include_usage":true}}"#), None);
         assert_eq!(inject(r#"{"stream_options":7}"#), None);
