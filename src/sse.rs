@@ -66,7 +66,7 @@ impl SseScanner {
                 }
             }
         }
-        if self.after_cr {
+        if self.after_cr && !chunk.is_empty() {
             self.after_cr = false;
             if chunk.first() == Some(&b'\n') {
                 chunk = &chunk[1..];
@@ -206,6 +206,14 @@ mod tests {
         }
         let bytes: Vec<&[u8]> = text.chunks(1).collect();
         assert_eq!(scan(&bytes), want);
+    }
+
+    #[test]
+    fn an_empty_chunk_between_cr_and_lf_changes_nothing() {
+        assert_eq!(
+            scan(&[b"data: a\r", b"", b"\n\r\n"]),
+            vec![(None, "a".to_string())]
+        );
     }
 
     #[test]
