@@ -230,7 +230,7 @@ fn sniff(b: &B64<'_>) -> Option<Size> {
     if head.starts_with(b"\x89PNG\r\n\x1a\n") && head.len() >= 24 && &head[12..16] == b"IHDR" {
         return size(be32(&head[16..20]), be32(&head[20..24]));
     }
-    if head.starts_with(b"GIF87a") || head.starts_with(b"GIF89a") {
+    if (head.starts_with(b"GIF87a") || head.starts_with(b"GIF89a")) && head.len() >= 10 {
         return size(le16(&head[6..8]) as u32, le16(&head[8..10]) as u32);
     }
     if head.len() >= 30 && &head[0..4] == b"RIFF" && &head[8..12] == b"WEBP" {
