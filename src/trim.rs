@@ -58,7 +58,8 @@ pub struct Cut {
 pub struct Trimmed {
     pub body: Vec<u8>,
     pub cut: Cut,
-    /// Complete turns dropped (the `turns` of `x-context-trimmed`).
+    /// Turns dropped (the `turns` of `x-context-trimmed`): the user turns
+    /// dropped, plus one for the tail of the first user's turn when it goes.
     pub turns: u32,
     /// Tool results elided among the kept elements (`tool-results`).
     pub tool_results: u32,
@@ -79,6 +80,23 @@ pub fn trim(
     need: u64,
     prior: Option<&Cut>,
 ) -> Option<Trimmed> {
+    trim_sticky(api, body, count, need, need, prior)
+}
+
+/// [`trim`] with hysteresis: when `prior` alone brings the body to `keep` or
+/// below (`keep >= need`, typically `limit-at * window`), nothing more is cut,
+/// so a growing conversation keeps the same cut — and its forwarded prefix —
+/// until it overflows the limit again; only then is it cut further, down to
+/// `need`. With `keep == need` every trimmed request lands just under `need`
+/// and the next one cuts a little further.
+pub fn trim_sticky(
+    api: Api,
+    body: &[u8],
+    count: &dyn Fn(&[u8]) -> u64,
+    need: u64,
+    keep: u64,
+    prior: Option<&Cut>,
+) -> Option<Trimmed> {
     let conv = Conv::parse(api, body)?;
     let mut st = State {
         k: conv.head,
@@ -97,6 +115,9 @@ pub fn trim(
                 .copied()
                 .filter(|&i| i >= st.k && conv.elidable(i))
                 .collect();
+            if count(&conv.render(&st)) <= keep.max(need) {
+                return conv.finish(body, st);
+            }
         }
     }
 
@@ -128,29 +149,7 @@ pub fn trim(
         elide_until(&mut st, &recent, &under);
     }
 
-    if st.k == conv.head && st.elided.is_empty() {
-        return None;
-    }
-    let out = conv.render(&st);
-    if out.len() >= body.len() {
-        return None;
-    }
-    let turns = conv.turn_starts_in(conv.head..st.k) as u32;
-    let tool_results = st
-        .elided
-        .iter()
-        .map(|&i| conv.elems[i].elide.len())
-        .sum::<usize>() as u32;
-    Some(Trimmed {
-        body: out,
-        cut: Cut {
-            dropped_until: st.k,
-            elided: st.elided.iter().copied().collect(),
-            prefix_hash: conv.head_hash,
-        },
-        turns,
-        tool_results,
-    })
+    conv.finish(body, st)
 }
 
 /// Elide the shortest oldest-first prefix of `cands` that gets under; all of
@@ -286,6 +285,35 @@ impl<'a> Conv<'a> {
     /// newest element.
     fn elidable(&self, i: usize) -> bool {
         i >= self.head && i + 1 < self.elems.len() && !self.elems[i].elide.is_empty()
+    }
+
+    /// The result for state `st`, or `None` if it removes nothing.
+    fn finish(&self, body: &[u8], st: State) -> Option<Trimmed> {
+        if st.k == self.head && st.elided.is_empty() {
+            return None;
+        }
+        let out = self.render(&st);
+        if out.len() >= body.len() {
+            return None;
+        }
+        // The rest of the first user's turn counts as one when it goes.
+        let partial = st.k > self.head && !self.elems[self.head].turn_start;
+        let turns = (self.turn_starts_in(self.head..st.k) + usize::from(partial)) as u32;
+        let tool_results = st
+            .elided
+            .iter()
+            .map(|&i| self.elems[i].elide.len())
+            .sum::<usize>() as u32;
+        Some(Trimmed {
+            body: out,
+            cut: Cut {
+                dropped_until: st.k,
+                elided: st.elided.into_iter().collect(),
+                prefix_hash: self.head_hash,
+            },
+            turns,
+            tool_results,
+        })
     }
 
     fn turn_starts_in(&self, r: Range<usize>) -> usize {
