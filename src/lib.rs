@@ -45,6 +45,7 @@ pub mod server;
 pub mod session;
 pub mod sse;
 pub mod tap;
+pub mod trim;
 pub mod upstream;
 pub mod usage;
 pub mod window;
