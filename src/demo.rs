@@ -287,8 +287,12 @@ fn system_prompt() -> String {
         "You are a careful software engineering agent working in a large repository. \
          Follow the rules below exactly.\n\n",
     );
-    for i in 1..=60 {
+    for i in 1..=90 {
         let _ = writeln!(s, "{i}. {}", prose(&mut rng, 45, false));
+    }
+    s.push_str("\nTeam glossary (用語集 / 术语表):\n");
+    for _ in 0..12 {
+        let _ = writeln!(s, "- {} {}", cjk(&mut rng, 3), rng.pick(EMOJI));
     }
     s.push_str("\nExample of the expected code style:\n\n");
     s.push_str(&code(&mut rng, 3));
@@ -312,14 +316,18 @@ const TOOLS: &[ToolDef] = &[
 fn run_tool(name: &str, rng: &mut Rng) -> String {
     let k = rng.below(1000) as usize;
     match name {
-        "read_file" => code(rng, 9 + k % 5),
+        "read_file" => code(rng, 15 + k % 8),
         "search_docs" => {
-            let a = cjk(rng, 14 + k % 10);
-            let b = prose(rng, 120, false);
-            format!("{a}\n\n{b}\n\n{}", cjk(rng, 10))
+            let a = cjk(rng, 4 + k % 4);
+            let b = prose(rng, 420, false);
+            format!("{a}\n\n{b}\n\n{}", cjk(rng, 3))
         }
-        "http_get" => json_records(rng, 14 + k % 8),
-        "fetch_attachment" => base64_blob(rng, 2400 + k),
+        "http_get" => json_records(rng, 26 + k % 12),
+        "fetch_attachment" => {
+            let data = base64_blob(rng, 2800 + k);
+            json!({"id": format!("att_{k:04}"), "mime": "image/png", "name": format!("{}.png", rng.pick(WORDS)),
+                "size": 2800 + k, "data": data}).to_string()
+        }
         _ => prose(rng, 200, false),
     }
 }
@@ -329,7 +337,7 @@ fn user_message(rng: &mut Rng) -> String {
     let mut s = prose(rng, 140 + k % 120, true);
     if k % 2 == 0 {
         s.push_str("\n\n");
-        s.push_str(&cjk(rng, 3 + k % 4));
+        s.push_str(&cjk(rng, 1 + k % 3));
     }
     s.push(' ');
     s.push_str(rng.pick(EMOJI));
