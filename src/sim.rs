@@ -603,12 +603,21 @@ fn openai_stream(
     include_usage: bool,
 ) -> Vec<String> {
     let id = format!("chatcmpl-sim{n:08}");
-    let chunk = |choices: Value| {
+    // OpenAI pads every chunk with a random `obfuscation` string (length hiding).
+    let mut pad = Rng(n);
+    let mut obfuscation = move || {
+        let len = 3 + (pad.next() % 8) as usize;
+        (0..len)
+            .map(|_| char::from(b"abcdefghijkmnopqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ23456789"[(pad.next() % 57) as usize]))
+            .collect::<String>()
+    };
+    let mut chunk = |choices: Value| {
         let mut v = json!({"id":id,"object":"chat.completion.chunk","created":1_755_012_345u64 + n,
             "model":model,"service_tier":"default","system_fingerprint":"fp_sim0001","choices":choices});
         if include_usage {
             v["usage"] = Value::Null;
         }
+        v["obfuscation"] = Value::String(obfuscation());
         format!("data: {v}\n\n")
     };
     let mut ev = Vec::new();
@@ -637,7 +646,7 @@ fn openai_stream(
     if include_usage {
         let v = json!({"id":id,"object":"chat.completion.chunk","created":1_755_012_345u64 + n,
             "model":model,"service_tier":"default","system_fingerprint":"fp_sim0001","choices":[],
-            "usage":openai_usage(c, output)});
+            "usage":openai_usage(c, output),"obfuscation":obfuscation()});
         ev.push(format!("data: {v}\n\n"));
     }
     ev.push("data: [DONE]\n\n".to_string());
