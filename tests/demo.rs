@@ -1,0 +1,237 @@
+//! `tidemark demo` end to end: the built binary, no TTY, its printed table
+//! checked against the simulated provider's own counts of the very request
+//! bodies the agent sent (dumped with `TIDEMARK_DEMO_DUMP`).
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tidemark::estimate::Estimator;
+use tidemark::inspect::RequestView;
+use tidemark::provider::Api;
+use tidemark::sim::{count_prompt, SimApi};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tidemark");
+
+#[derive(Debug)]
+struct Row {
+    turn: u32,
+    real: Option<u64>,
+    chars4: u64,
+    estimate: u64,
+    projection: Option<u64>,
+    error: Option<f64>,
+    src: String,
+    decision: String,
+    line: String,
+}
+
+fn num(s: &str) -> Option<u64> {
+    (s != "-").then(|| s.parse().expect("a number or -"))
+}
+
+/// Sessions by API name, in printed order.
+fn parse(out: &str) -> Vec<(String, Vec<Row>)> {
+    let mut sessions: Vec<(String, Vec<Row>)> = Vec::new();
+    for line in out.lines() {
+        if let Some(h) = line.strip_prefix("== ") {
+            let api = h.split_whitespace().next().unwrap().to_string();
+            sessions.push((api, Vec::new()));
+            continue;
+        }
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        let Some(turn) = cols.first().and_then(|c| c.parse::<u32>().ok()) else {
+            continue;
+        };
+        assert!(cols.len() >= 8, "short row: {line}");
+        let error = (cols[5] != "-").then(|| {
+            cols[5]
+                .trim_end_matches('%')
+                .parse::<f64>()
+                .expect("error column")
+        });
+        sessions
+            .last_mut()
+            .expect("a row before any session header")
+            .1
+            .push(Row {
+                turn,
+                real: num(cols[1]),
+                chars4: cols[2].parse().unwrap(),
+                estimate: cols[3].parse().unwrap(),
+                projection: num(cols[4]),
+                error,
+                src: cols[6].to_string(),
+                decision: cols[7].to_string(),
+                line: line.to_string(),
+            });
+    }
+    sessions
+}
+
+#[tokio::test]
+async fn demo_table_matches_the_simulated_providers_counts() {
+    let dump = std::env::temp_dir().join(format!("tidemark-demo-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dump);
+    let child = Command::new(BIN)
+        .args(["demo", "--turns", "8"])
+        .env("TIDEMARK_DEMO_DUMP", &dump)
+        .env("TIDEMARK_LOG", "warn")
+        .env_remove("TIDEMARK_LISTEN")
+        .env_remove("TIDEMARK_ADMIN_LISTEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn tidemark demo");
+    let out = tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
+        .await
+        .expect("demo finished within 120 s")
+        .expect("demo output");
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed: {stderr}\n{stdout}");
+    assert!(!stdout.contains('\x1b'), "no colour without a terminal");
+    assert!(!stderr.contains('\x1b'), "no progress bar without a terminal");
+
+    let sessions = parse(&stdout);
+    let names: Vec<&str> = sessions.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["openai-chat", "anthropic-messages"], "{stdout}");
+    assert_eq!(stdout.matches("gate line:").count(), 2, "one summary per session");
+
+    let estimator = Estimator::new(16 << 20);
+    for (name, rows) in &sessions {
+        let (sim_api, api, model) = match name.as_str() {
+            "openai-chat" => (SimApi::OpenAiChat, Api::OpenAiChat, "gpt-4o"),
+            _ => (SimApi::Anthropic, Api::Anthropic, "claude-sonnet-4-5"),
+        };
+        assert_eq!(rows.len(), 8, "{name}: 8 turns\n{stdout}");
+        for r in rows {
+            let ctx = format!("{name} turn {}: {}", r.turn, r.line);
+            let body = std::fs::read(dump.join(format!("{name}-{:03}.json", r.turn)))
+                .unwrap_or_else(|e| panic!("{ctx}: dumped body: {e}"));
+            let v: Value = serde_json::from_slice(&body).unwrap();
+
+            // real is the simulated provider's own count of what the agent sent.
+            let real = r.real.unwrap_or_else(|| panic!("{ctx}: no real count"));
+            assert_eq!(real, count_prompt(sim_api, &v).total, "{ctx}");
+
+            // estimate and chars/4 are tidemark's estimator on the same body.
+            let view = RequestView::parse(&body).unwrap();
+            let est = estimator.estimate(api.provider(), &view, Some(model));
+            assert_eq!(r.estimate, est.tokens, "{ctx}");
+            assert_eq!(r.chars4, est.chars / 4, "{ctx}");
+
+            // error is (projection - real) / real of the printed numbers.
+            let p = r.projection.unwrap_or_else(|| panic!("{ctx}: no projection"));
+            let want = (p as f64 - real as f64) / real as f64 * 100.0;
+            let got = r.error.unwrap_or_else(|| panic!("{ctx}: no error"));
+            assert!((got - want).abs() < 0.006, "{ctx}: printed {got}, computed {want}");
+            assert!(
+                ["pass", "warn", "over"].contains(&r.decision.as_str()),
+                "{ctx}"
+            );
+        }
+    }
+
+    // The behaviour the demo exists to show. These need the real usage tap,
+    // estimator and sessions (not the placeholder stubs).
+    for (name, rows) in &sessions {
+        for r in rows.iter().filter(|r| r.turn >= 2) {
+            assert_eq!(r.src, "anchored", "{name} turn {}: {}", r.turn, r.line);
+        }
+        for r in rows.iter().filter(|r| r.turn >= 3) {
+            let e = r.error.unwrap();
+            assert!(
+                e.abs() < 2.0,
+                "{name} turn {}: projection error {e}% (want < 2%)\n{stdout}",
+                r.turn
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dump);
+}
+
+#[tokio::test]
+async fn keep_running_serves_until_sigterm() {
+    let mut child = Command::new(BIN)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "demo",
+            "--turns",
+            "2",
+            "--keep-running",
+        ])
+        .env("TIDEMARK_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn tidemark demo --keep-running");
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let (mut base, mut metrics) = (None, None);
+    tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(l) = lines.next_line().await.unwrap() {
+            let l = l.trim();
+            if let Some(u) = l.strip_prefix("OpenAI base URL:") {
+                base = Some(u.trim().to_string());
+            }
+            if let Some(u) = l.strip_prefix("metrics:") {
+                metrics = Some(u.trim().to_string());
+                break;
+            }
+        }
+    })
+    .await
+    .expect("the URLs are printed");
+    let base = base.expect("OpenAI base URL line");
+    let metrics = metrics.expect("metrics line");
+    assert!(base.ends_with("/v1") && !base.contains(":0/"), "{base}");
+
+    // The printed URLs work: one request through the proxy, then the metrics.
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let req = http::Request::post(format!("{base}/chat/completions"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-test")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(
+            br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#,
+        )))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().contains_key("x-context-projection"));
+    assert!(resp.headers().contains_key("x-sim-prompt-tokens"));
+    let m = tokio::time::timeout(
+        Duration::from_secs(20),
+        client.get(metrics.parse().unwrap()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(m.status(), 200);
+
+    let pid = child.id().expect("running").to_string();
+    let st = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
