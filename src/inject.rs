@@ -258,7 +258,9 @@ mod tests {
         );
         assert_eq!(
             inject(r#"{"stream":true,"stream_options":{"include_obfuscation":false}}"#).as_deref(),
-            Some(r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":true}}"#)
+            Some(
+                r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":true}}"#
+            )
         );
         assert_eq!(
             inject(r#"{"stream_options": { },"stream":true}"#).as_deref(),
@@ -268,8 +270,14 @@ mod tests {
             inject(r#"{"stream_options":null}"#).as_deref(),
             Some(r#"{"stream_options":{"include_usage":true}}"#)
         );
-        assert_eq!(inject(" { } ").as_deref(), Some(r#" {"stream_options":{"include_usage":true} } "#));
-        assert_eq!(inject(r#"{"stream_options":{"include_usage":false}}"#), None);
+        assert_eq!(
+            inject(" { } ").as_deref(),
+            Some(r#" {"stream_options":{"include_usage":true} } "#)
+        );
+        assert_eq!(
+            inject(r#"{"stream_options":{"include_usage":false}}"#),
+            None
+        );
         assert_eq!(inject(r#"{"stream_options":{"include_usage":true}}"#), None);
         assert_eq!(inject(r#"{"stream_options":7}"#), None);
     }

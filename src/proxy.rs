@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use dashmap::DashSet;
+use dashmap::{DashMap, DashSet};
 use http::header::{
     HeaderMap, HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE,
 };
@@ -22,8 +22,9 @@ use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
-use crate::session::{Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions};
+use crate::session::{Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions, Src};
 use crate::tap::{Finish, ObservedBody, Watch};
+use crate::trim::{self, Cut};
 use crate::upstream::{self, Client, UpBody, UpstreamError};
 use crate::usage::UsageReader;
 
@@ -35,6 +36,10 @@ pub struct State {
     pub sessions: Sessions,
     /// Upstreams (authorities) that answered 400 to `stream_options`: never inject there again.
     pub no_stream_options: DashSet<String>,
+    /// Each trimmed session's last cut, so the next request is cut at the
+    /// same place and provider prompt caches survive. Keyed by credential and
+    /// session key; bounded by `--max-sessions`.
+    pub cuts: DashMap<String, Cut>,
 }
 
 /// Per-message token cache budget for the estimator.
@@ -55,6 +60,7 @@ impl State {
             estimator: Estimator::new(ESTIMATE_CACHE_BYTES),
             sessions,
             no_stream_options: DashSet::new(),
+            cuts: DashMap::new(),
             config,
         })
     }
@@ -192,6 +198,10 @@ struct Inspected {
     /// The body to send when tidemark edited it (usage injection, trim).
     edited: Option<Bytes>,
     injected: bool,
+    /// The `x-context-trimmed` value when the request was trimmed.
+    trimmed: Option<String>,
+    /// The trimmed body before usage injection (what a retry without the option sends).
+    trimmed_body: Option<Bytes>,
 }
 
 /// The spine. Every request passes here, top to bottom.
@@ -458,6 +468,18 @@ fn fmt_decimal(v: f64) -> String {
     }
 }
 
+/// The projection headers plus `x-context-trimmed` when the request was trimmed.
+fn add_policy_headers(h: &mut HeaderMap, ins: &Inspected, warn_at: f64) {
+    add_projection_headers(h, &ins.begun.projection, warn_at);
+    if let Some(t) = ins
+        .trimmed
+        .as_deref()
+        .and_then(|t| HeaderValue::from_str(t).ok())
+    {
+        h.insert(X_CONTEXT_TRIMMED, t);
+    }
+}
+
 fn add_projection_headers(h: &mut HeaderMap, proj: &Projection, warn_at: f64) {
     if let Ok(v) = HeaderValue::from_str(&proj.header_value()) {
         h.insert(X_CONTEXT_PROJECTION, v);
@@ -536,35 +558,27 @@ async fn api_request(
     let window = model
         .as_deref()
         .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
-    let begun = state.sessions.begin(RequestFacts {
+    let cut_key = key.as_ref().map(|k| format!("{credential}\u{0}{k}"));
+    let mut begun = state.sessions.begin(RequestFacts {
         key,
         credential,
         api,
-        model,
+        model: model.clone(),
         estimate: estimate.tokens,
         reset,
         window,
         counted: None,
         continues: p.continues(&view),
     });
-    let max_output = p.max_output_tokens(&view);
-
-    // usage injection: OpenAI chat streams get include_usage unless the client asked or the upstream refused.
-    let mut edited = None;
-    let mut injected = false;
-    if api == Api::OpenAiChat
-        && stream
-        && cfg.inject_usage
-        && encoding.is_none()
-        && !state
-            .no_stream_options
-            .contains(upstream.authority.as_str())
-    {
-        if let Some(b) = crate::inject::inject_include_usage(&body, &view) {
-            edited = Some(Bytes::from(b));
-            injected = true;
+    // --exact-cold-start: no anchor, so ask the provider's own counter.
+    if cfg.exact_cold_start && matches!(begun.projection.src, Src::Calibrated | Src::Estimate) {
+        if let Some((cpath, cbody)) = p.count_request(path, &view) {
+            if let Some(n) = count_exact(state, &parts, upstream, p, &cpath, cbody).await {
+                state.sessions.apply_count(&mut begun, n);
+            }
         }
     }
+    let max_output = p.max_output_tokens(&view);
     drop(view);
     let mut ins = Inspected {
         model_label,
@@ -572,8 +586,10 @@ async fn api_request(
         estimate,
         begun,
         max_output,
-        edited,
-        injected,
+        edited: None,
+        injected: false,
+        trimmed: None,
+        trimmed_body: None,
     };
     if let Some(u) = ins.begun.projection.util() {
         m.utilization
@@ -598,30 +614,92 @@ async fn api_request(
             0
         };
         let projected = ins.begun.projection.tokens + reserve;
-        if projected as f64 > cfg.limit_at * w as f64 {
+        let limit = cfg.limit_at * w as f64;
+        if projected as f64 > limit {
             let action = cfg.on_over;
             m.over_budget
                 .with_label_values(&[api.as_str(), &ins.model_label, action.as_str()])
                 .inc();
+            let over = ProxyError::ContextBudget {
+                projected,
+                window: w,
+            };
             match action {
                 OnOver::Pass => {}
-                OnOver::Reject | OnOver::Trim => {
-                    let err = ProxyError::ContextBudget {
-                        projected,
-                        window: w,
+                OnOver::Reject => return reject(state, p, ins, &over),
+                OnOver::Trim => {
+                    let Some(src) = decoded.as_ref() else {
+                        return reject(state, p, ins, &over);
                     };
-                    return reject(state, p, ins, &err);
+                    let Some(t) = trim_request(
+                        state,
+                        api,
+                        src,
+                        model.as_deref(),
+                        cut_key,
+                        &mut ins,
+                        reserve,
+                        w,
+                    ) else {
+                        return reject(state, p, ins, &over);
+                    };
+                    let after = ins.begun.projection.tokens + reserve;
+                    if after as f64 > limit {
+                        // A trim that did not shrink enough is never forwarded.
+                        let err = ProxyError::ContextBudget {
+                            projected: after,
+                            window: w,
+                        };
+                        return reject(state, p, ins, &err);
+                    }
+                    m.trimmed_tokens
+                        .with_label_values(&[api.as_str(), &ins.model_label])
+                        .inc_by(projected.saturating_sub(after));
+                    ins.trimmed = Some(format!(
+                        "before={projected}, after={after}, turns={}, tool-results={}",
+                        t.turns, t.tool_results
+                    ));
+                    let b = Bytes::from(t.body);
+                    ins.trimmed_body = Some(b.clone());
+                    ins.edited = Some(b);
                 }
             }
+        }
+    }
+
+    // usage injection: OpenAI chat streams get include_usage unless the
+    // client asked or the upstream refused.
+    if api == Api::OpenAiChat
+        && stream
+        && cfg.inject_usage
+        && (encoding.is_none() || ins.edited.is_some())
+        && !state
+            .no_stream_options
+            .contains(upstream.authority.as_str())
+    {
+        let base: &[u8] = ins.edited.as_deref().unwrap_or(&body);
+        if let Some(b) =
+            RequestView::parse(base).and_then(|v| crate::inject::inject_include_usage(base, &v))
+        {
+            ins.edited = Some(Bytes::from(b));
+            ins.injected = true;
         }
     }
 
     // upstream
     let edited_now = ins.edited.is_some();
     let send_body = ins.edited.clone().unwrap_or_else(|| body.clone());
-    let Some(up) = build_upstream_request(&parts, upstream, full(send_body), edited_now) else {
+    let Some(mut up) = build_upstream_request(&parts, upstream, full(send_body), edited_now) else {
         return reject(state, p, ins, &ProxyError::ClientBody);
     };
+    if ins.injected {
+        // The stripper must see the stream as sent to take the option's
+        // additions back out; a compressed stream could not be edited.
+        up.headers_mut().insert(
+            http::header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+    }
     m.proxy_overhead
         .with_label_values(&[api.as_str()])
         .observe(start.elapsed().as_secs_f64());
@@ -645,8 +723,14 @@ async fn api_request(
                         .no_stream_options
                         .insert(upstream.authority.as_str().to_string());
                     ins.injected = false;
-                    ins.edited = None;
-                    match build_upstream_request(&parts, upstream, full(body.clone()), false) {
+                    ins.edited = ins.trimmed_body.clone();
+                    let retry = ins.edited.clone().unwrap_or_else(|| body.clone());
+                    match build_upstream_request(
+                        &parts,
+                        upstream,
+                        full(retry),
+                        ins.edited.is_some(),
+                    ) {
                         Some(up) => result = send(state, up).await,
                         None => return reject(state, p, ins, &ProxyError::ClientBody),
                     }
@@ -675,7 +759,7 @@ async fn api_request(
     let status = resp.status();
     let (mut rparts, rbody) = resp.into_parts();
     upstream::strip_hop_by_hop(&mut rparts.headers);
-    add_projection_headers(&mut rparts.headers, &ins.begun.projection, cfg.warn_at);
+    add_policy_headers(&mut rparts.headers, &ins, cfg.warn_at);
     let mut watch = Watch::new(start);
     watch.ttfb = Some(m.ttfb.with_label_values(&[api.as_str()]));
     watch.duration = Some(m.request_duration.with_label_values(&[api.as_str()]));
@@ -701,6 +785,105 @@ async fn api_request(
         cfg.idle_timeout,
     );
     Response::from_parts(rparts, body)
+}
+
+/// `--on-over trim`: cut the request down to `--trim-to` with the session's
+/// own anchored ruler, re-project what will be sent, remember the cut.
+/// `None` when nothing can be trimmed.
+#[allow(clippy::too_many_arguments)]
+fn trim_request(
+    state: &State,
+    api: Api,
+    body: &[u8],
+    model: Option<&str>,
+    cut_key: Option<String>,
+    ins: &mut Inspected,
+    reserve: u64,
+    window: u64,
+) -> Option<trim::Trimmed> {
+    let cfg = &state.config;
+    let ruler = ins.begun.ruler;
+    let measure = |b: &[u8]| -> u64 {
+        state
+            .estimator
+            .estimate_body(api, b, model)
+            .map(|e| ruler.measure(e.tokens))
+            .unwrap_or(u64::MAX)
+    };
+    let need = ((cfg.trim_to * window as f64) as u64).saturating_sub(reserve);
+    let keep = ((cfg.limit_at * window as f64) as u64).saturating_sub(reserve);
+    let prior = cut_key
+        .as_ref()
+        .and_then(|k| state.cuts.get(k).map(|c| c.clone()));
+    let t = trim::trim_sticky(api, body, &measure, need, keep, prior.as_ref())?;
+    let est = state.estimator.estimate_body(api, &t.body, model)?;
+    state.sessions.reproject(&mut ins.begun, est.tokens);
+    if let Some(k) = cut_key {
+        if state.cuts.len() >= cfg.max_sessions.max(1) {
+            state.cuts.clear();
+        }
+        state.cuts.insert(k, t.cut.clone());
+    }
+    Some(t)
+}
+
+/// `--exact-cold-start`: ask the provider's counting endpoint, with the
+/// client's own credentials, how big this prompt is. Any failure falls back
+/// to the estimate (a cold start is legitimately anchor-less).
+async fn count_exact(
+    state: &State,
+    parts: &http::request::Parts,
+    upstream: &Upstream,
+    p: &dyn Provider,
+    path: &str,
+    body: Vec<u8>,
+) -> Option<u64> {
+    let uri = http::Uri::builder()
+        .scheme(upstream.scheme.clone())
+        .authority(upstream.authority.clone())
+        .path_and_query(match parts.uri.query() {
+            Some(q) => format!("{}{}?{}", upstream.prefix, path, q),
+            None => format!("{}{}", upstream.prefix, path),
+        })
+        .build()
+        .ok()?;
+    let mut headers = parts.headers.clone();
+    upstream::strip_hop_by_hop(&mut headers);
+    for h in [
+        http::header::HOST,
+        CONTENT_LENGTH,
+        CONTENT_ENCODING,
+        http::header::ACCEPT_ENCODING,
+    ] {
+        headers.remove(h);
+    }
+    headers.remove(X_CONTEXT_RESET);
+    let mut req = Request::new(full(Bytes::from(body)));
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let bound = state
+        .config
+        .upstream_timeout
+        .min(std::time::Duration::from_secs(10));
+    let resp = tokio::time::timeout(bound, state.client.request(req))
+        .await
+        .ok()?
+        .ok()?;
+    if !resp.status().is_success() {
+        tracing::debug!(
+            status = resp.status().as_u16(),
+            "counting endpoint refused; estimating"
+        );
+        return None;
+    }
+    let bytes = tokio::time::timeout(bound, Limited::new(resp.into_body(), 1 << 20).collect())
+        .await
+        .ok()?
+        .ok()?
+        .to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    p.count_response(&json)
 }
 
 /// Forward a request whose body tidemark could not read as JSON: untouched, no projection.
@@ -761,11 +944,7 @@ fn reject(
     err: &ProxyError,
 ) -> Response<ObservedBody> {
     let mut resp = error_response(err, p, state.config.max_body_bytes);
-    add_projection_headers(
-        resp.headers_mut(),
-        &ins.begun.projection,
-        state.config.warn_at,
-    );
+    add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
     let code = resp.status().as_u16();
     let m = metrics::get();
     m.requests
@@ -792,11 +971,7 @@ fn respond_buffered(
     mut resp: Response<ObservedBody>,
 ) -> Response<ObservedBody> {
     upstream::strip_hop_by_hop(resp.headers_mut());
-    add_projection_headers(
-        resp.headers_mut(),
-        &ins.begun.projection,
-        state.config.warn_at,
-    );
+    add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
     let code = resp.status().as_u16();
     metrics::get()
         .requests

@@ -42,6 +42,24 @@ impl Provider for Anthropic {
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")
     }
+    fn count_request(&self, path: &str, req: &RequestView<'_>) -> Option<(String, Vec<u8>)> {
+        let body = super::subset_object(
+            req,
+            &[
+                "model",
+                "messages",
+                "system",
+                "tools",
+                "tool_choice",
+                "thinking",
+                "mcp_servers",
+            ],
+        );
+        Some((format!("{path}/count_tokens"), body))
+    }
+    fn count_response(&self, json: &Value) -> Option<u64> {
+        super::count(json, "input_tokens")
+    }
     fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool {
         match event {
             Some(e) => matches!(e, "message_start" | "message_delta" | "error"),
@@ -123,7 +141,10 @@ mod tests {
             r#"{"error":{"message":"prompt is too long: 211180 tokens > 200000 maximum","type":"invalid_request_error"},"type":"error"}"#
         );
         let v: Value = serde_json::from_slice(&Anthropic.error_body(
-            ErrorShape::SessionBudget { spent: 9, budget: 8 },
+            ErrorShape::SessionBudget {
+                spent: 9,
+                budget: 8,
+            },
             "session-budget",
             "over",
         ))

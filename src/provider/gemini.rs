@@ -48,6 +48,41 @@ impl Provider for Gemini {
         let cfg: Value = req.get("generationConfig")?;
         count(&cfg, "maxOutputTokens")
     }
+    fn count_request(&self, path: &str, req: &RequestView<'_>) -> Option<(String, Vec<u8>)> {
+        // `models/{m}:generateContent` -> `models/{m}:countTokens`, the whole
+        // request wrapped as `generateContentRequest` so system and tools count.
+        let colon = path.rfind(':')?;
+        let model = path[..colon].rsplit('/').next()?;
+        let inner = super::subset_object(
+            req,
+            &[
+                "contents",
+                "systemInstruction",
+                "tools",
+                "toolConfig",
+                "generationConfig",
+            ],
+        );
+        let mut body = Vec::with_capacity(inner.len() + 64);
+        body.extend_from_slice(b"{\"generateContentRequest\":");
+        let mut inner = inner;
+        inner.pop(); // the closing brace: add the model inside
+        body.extend_from_slice(&inner);
+        if inner.len() > 1 {
+            body.push(b',');
+        }
+        body.extend_from_slice(
+            format!(
+                "\"model\":{}}}}}",
+                serde_json::to_string(&format!("models/{model}")).ok()?
+            )
+            .as_bytes(),
+        );
+        Some((format!("{}:countTokens", &path[..colon]), body))
+    }
+    fn count_response(&self, json: &Value) -> Option<u64> {
+        count(json, "totalTokens")
+    }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         has_member(data, b"\"usageMetadata\"") || has_member(data, b"\"error\"")
     }
@@ -118,7 +153,8 @@ mod tests {
         assert!(Gemini.matches_path(p));
         assert_eq!(Gemini.model(p, &v).as_deref(), Some("gemini-2.5-flash"));
         assert!(Gemini.is_stream(p, Some("alt=sse"), &v));
-        let p = "/v1/projects/x/locations/us/publishers/google/models/gemini-2.5-pro:generateContent";
+        let p =
+            "/v1/projects/x/locations/us/publishers/google/models/gemini-2.5-pro:generateContent";
         assert_eq!(Gemini.model(p, &v).as_deref(), Some("gemini-2.5-pro"));
         assert!(!Gemini.is_stream(p, None, &v));
         let v = RequestView::parse(br#"{"generationConfig":{"maxOutputTokens":512}}"#).unwrap();

@@ -148,6 +148,17 @@ pub trait Provider: Send + Sync + 'static {
         None
     }
 
+    /// `--exact-cold-start`: the provider's own counting endpoint for this
+    /// request, as (path, body); `None` where the API has none.
+    fn count_request(&self, _path: &str, _req: &RequestView<'_>) -> Option<(String, Vec<u8>)> {
+        None
+    }
+
+    /// The prompt size in a counting endpoint's answer.
+    fn count_response(&self, _json: &Value) -> Option<u64> {
+        None
+    }
+
     // ---- response side ------------------------------------------------
 
     /// Framing of a response body, given its content type and whether the
@@ -186,6 +197,25 @@ pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
 /// Cheap byte check before any parse: does `data` hold the member `key`
 /// (quotes included, e.g. `b"\"usage\""`) with a value other than `null`?
 /// False positives only cost a parse; a truncated value counts as present.
+/// A JSON object of the request's top-level members named in `keep`, their
+/// raw bytes unchanged (a counting endpoint takes a subset of the request).
+pub(crate) fn subset_object(req: &RequestView<'_>, keep: &[&str]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(req.body.len());
+    out.push(b'{');
+    for (name, raw) in req.fields() {
+        if keep.contains(&name) {
+            if out.len() > 1 {
+                out.push(b',');
+            }
+            out.extend_from_slice(serde_json::to_string(name).unwrap_or_default().as_bytes());
+            out.push(b':');
+            out.extend_from_slice(raw.get().as_bytes());
+        }
+    }
+    out.push(b'}');
+    out
+}
+
 pub(crate) fn has_member(data: &[u8], key: &[u8]) -> bool {
     let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
     memchr::memmem::find_iter(data, key).any(|at| {
@@ -257,7 +287,10 @@ mod helper_tests {
     #[test]
     fn has_member_skips_null() {
         assert!(has_member(br#"{"usage": {"a":1}}"#, b"\"usage\""));
-        assert!(has_member(br#"{"usage":null,"x":{"usage" :{}}}"#, b"\"usage\""));
+        assert!(has_member(
+            br#"{"usage":null,"x":{"usage" :{}}}"#,
+            b"\"usage\""
+        ));
         assert!(!has_member(br#"{"usage":null}"#, b"\"usage\""));
         assert!(!has_member(br#"{"text":"usage"}"#, b"\"usage\""));
         assert!(!has_member(br#"{"text":"\"usage\" is"}"#, b"\"usage\""));

@@ -68,7 +68,11 @@ fn usage(u: &Value) -> Usage {
     Usage {
         input,
         cached_input: details.and_then(|d| count(d, "cached_tokens")),
-        cache_creation: Some(details.and_then(|d| count(d, "cache_write_tokens")).unwrap_or(0)),
+        cache_creation: Some(
+            details
+                .and_then(|d| count(d, "cache_write_tokens"))
+                .unwrap_or(0),
+        ),
         output: count(u, "completion_tokens"),
         total_context: input,
     }
@@ -93,13 +97,19 @@ mod tests {
             r#"{"error":{"code":"context_length_exceeded","message":"This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens. Please reduce the length of the messages.","param":"messages","type":"invalid_request_error"}}"#
         );
         let v: Value = serde_json::from_slice(&OpenAiChat.error_body(
-            ErrorShape::SessionBudget { spent: 5, budget: 4 },
+            ErrorShape::SessionBudget {
+                spent: 5,
+                budget: 4,
+            },
             "session-budget",
             "x",
         ))
         .unwrap();
         assert_eq!(v["error"]["code"], "session_budget_exceeded");
-        assert!(v["error"]["message"].as_str().unwrap().starts_with("session_budget_exceeded:"));
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("session_budget_exceeded:"));
         let v: Value = serde_json::from_slice(&OpenAiChat.error_body(
             ErrorShape::Generic { status: 502 },
             "upstream-connect",

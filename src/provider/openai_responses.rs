@@ -54,6 +54,28 @@ impl Provider for OpenAiResponses {
     fn continues(&self, req: &RequestView<'_>) -> Option<String> {
         req.str("previous_response_id").map(|s| s.into_owned())
     }
+    fn count_request(&self, path: &str, req: &RequestView<'_>) -> Option<(String, Vec<u8>)> {
+        let body = super::subset_object(
+            req,
+            &[
+                "model",
+                "input",
+                "instructions",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+                "previous_response_id",
+                "conversation",
+                "reasoning",
+                "text",
+                "truncation",
+            ],
+        );
+        Some((format!("{path}/input_tokens"), body))
+    }
+    fn count_response(&self, json: &Value) -> Option<u64> {
+        super::count(json, "input_tokens")
+    }
     fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool {
         match event {
             // `in_progress` repeats what `created` said.
