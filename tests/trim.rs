@@ -10,15 +10,6 @@ use tidemark::provider::Api;
 use tidemark::trim::{trim, trim_sticky, Trimmed};
 use trim_support::*;
 
-/// Elements through the first user message.
-fn head_len(api: Api, body: &[u8]) -> usize {
-    raw_elements(api, body)
-        .iter()
-        .position(|(_, s)| is_turn_start(api, &serde_json::from_str(s).unwrap()))
-        .unwrap()
-        + 1
-}
-
 fn run(api: Api, body: &[u8], need: u64) -> Option<Trimmed> {
     trim(api, body, &count, need, None)
 }
