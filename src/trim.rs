@@ -116,7 +116,7 @@ pub fn trim_sticky(
                 .filter(|&i| i >= st.k && conv.elidable(i))
                 .collect();
             if count(&conv.render(&st)) <= keep.max(need) {
-                return conv.finish(body, st);
+                return conv.finish(st);
             }
         }
     }
@@ -149,7 +149,7 @@ pub fn trim_sticky(
         elide_until(&mut st, &recent, &under);
     }
 
-    conv.finish(body, st)
+    conv.finish(st)
 }
 
 /// Elide the shortest oldest-first prefix of `cands` that gets under; all of
@@ -288,12 +288,12 @@ impl<'a> Conv<'a> {
     }
 
     /// The result for state `st`, or `None` if it removes nothing.
-    fn finish(&self, body: &[u8], st: State) -> Option<Trimmed> {
+    fn finish(&self, st: State) -> Option<Trimmed> {
         if st.k == self.head && st.elided.is_empty() {
             return None;
         }
         let out = self.render(&st);
-        if out.len() >= body.len() {
+        if out.len() >= self.body.len() {
             return None;
         }
         // The rest of the first user's turn counts as one when it goes.
@@ -497,7 +497,9 @@ impl Elem {
                         }
                     }
                 }
-                e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+                // Gemini's role is optional and defaults to user.
+                e.turn_start =
+                    role.as_deref().map_or(true, |r| r == "user") && e.results.is_empty();
             }
         }
         Some(e)

@@ -301,3 +301,45 @@ fn trimming_a_large_session_is_quick() {
     );
     assert!(took.as_secs() < 20, "{took:?}");
 }
+
+#[test]
+fn the_validators_catch_what_a_naive_cut_breaks() {
+    let s = agent_script(3, 1, 100);
+    for api in APIS {
+        let body = render(api, &s, false);
+        validate(api, &body).unwrap();
+        let key = array_key(api);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let arr = v[key].as_array().unwrap().clone();
+        // Drop each single element in turn: every removal of a tool call, a
+        // tool result or (for alternating APIs) any message must be caught.
+        for i in 1..arr.len() - 1 {
+            let mut cut = v.clone();
+            cut[key].as_array_mut().unwrap().remove(i);
+            let b = serde_json::to_vec(&cut).unwrap();
+            let elem = &arr[i];
+            let tooly = elem.get("tool_calls").is_some()
+                || elem["role"] == "tool"
+                || elem["type"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("function_call"))
+                || serde_json::to_string(elem).unwrap().contains("tool_use")
+                || serde_json::to_string(elem)
+                    .unwrap()
+                    .contains("functionCall")
+                || serde_json::to_string(elem)
+                    .unwrap()
+                    .contains("functionResponse");
+            let alternating = matches!(api, Api::Anthropic | Api::Gemini);
+            if tooly || alternating {
+                assert!(
+                    validate(api, &b).is_err(),
+                    "{api:?}: removing element {i} not caught"
+                );
+            }
+        }
+    }
+    let mut s = agent_script(2, 1, 100);
+    s.breakpoints = 5;
+    assert!(validate(Api::Anthropic, &render(Api::Anthropic, &s, false)).is_err());
+}
