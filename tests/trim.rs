@@ -313,11 +313,10 @@ fn the_validators_catch_what_a_naive_cut_breaks() {
         let arr = v[key].as_array().unwrap().clone();
         // Drop each single element in turn: every removal of a tool call, a
         // tool result or (for alternating APIs) any message must be caught.
-        for i in 1..arr.len() - 1 {
+        for (i, elem) in arr.iter().enumerate().take(arr.len() - 1).skip(1) {
             let mut cut = v.clone();
             cut[key].as_array_mut().unwrap().remove(i);
             let b = serde_json::to_vec(&cut).unwrap();
-            let elem = &arr[i];
             let tooly = elem.get("tool_calls").is_some()
                 || elem["role"] == "tool"
                 || elem["type"]
