@@ -9,13 +9,20 @@
 //! message: chat system prompts live there), then elements
 //! `[head_len, dropped_until)` that are dropped, then the kept tail, which
 //! always ends with the newest element. A *turn* starts at a user message that
-//! is not a tool result; cuts only ever land on a turn start, and a cut that
-//! would separate a tool call from its result is never taken.
+//! is not a tool result. The steps, each taken only while still over:
 //!
+//! 1. elide oversized tool outputs before the newest turn, oldest first;
+//! 2. drop the oldest turns (the cut lands on a turn start);
+//! 3. elide outputs of the newest turn that the model has already acted on
+//!    (all but its last tool step);
+//! 4. for one long agent loop with no turns left to drop, drop its oldest
+//!    tool steps (the cut lands on an assistant message).
+//!
+//! A cut that would separate a tool call from its result is never taken.
 //! Anthropic requires strict user/assistant alternation starting with a user
-//! message. The head ends with a user message and the kept tail starts with a
-//! user message, so tidemark inserts one synthetic assistant message between
-//! them (`[tidemark: N earlier messages omitted]`): the head's bytes stay
+//! message. When the kept tail starts with a user message, tidemark inserts one
+//! synthetic assistant message after the head
+//! (`[tidemark: N earlier messages omitted]`): the head's bytes stay
 //! untouched, the gap is visible to the model, and alternation holds. Gemini
 //! gets the same marker as a `model` content.
 //!
@@ -106,7 +113,9 @@ pub fn trim_sticky(
 
     if let Some(p) = prior {
         if p.prefix_hash == conv.head_hash
-            && (p.dropped_until == conv.head || conv.cuts.contains(&p.dropped_until))
+            && (p.dropped_until == conv.head
+                || conv.cuts.contains(&p.dropped_until)
+                || conv.step_cuts.contains(&p.dropped_until))
         {
             st.k = p.dropped_until;
             st.elided = p
@@ -147,6 +156,24 @@ pub fn trim_sticky(
             .filter(|&i| conv.elidable(i) && !st.elided.contains(&i))
             .collect();
         elide_until(&mut st, &recent, &under);
+    }
+    if !under(&st) {
+        // Step 4: a single long agent loop has no turns to drop; drop its
+        // oldest tool steps instead (a cut before an assistant message).
+        let ks: Vec<usize> = conv
+            .step_cuts
+            .iter()
+            .copied()
+            .filter(|&c| c > st.k)
+            .collect();
+        if !ks.is_empty() {
+            let at = |j: usize| State {
+                k: ks[j],
+                elided: st.elided.range(ks[j]..).copied().collect(),
+            };
+            let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
+            st = at(j);
+        }
     }
 
     conv.finish(st)
@@ -192,6 +219,14 @@ struct State {
 struct Elem {
     range: Range<usize>,
     turn_start: bool,
+    /// A user message (tool results included): needs a gap marker before it
+    /// where roles must alternate.
+    user: bool,
+    /// Produced by the model (assistant / model message, Responses output
+    /// item): a tool step may start here.
+    assistant: bool,
+    /// A Responses reasoning item, which must stay with the item after it.
+    reasoning: bool,
     /// Tool call ids this element issues.
     calls: Vec<String>,
     /// Tool call ids whose results this element carries (`None`: no id, as in
@@ -208,8 +243,10 @@ struct Conv<'a> {
     /// `head_len`: elements `[0, head)` are always kept.
     head: usize,
     head_hash: u64,
-    /// Legal values of `dropped_until` beyond `head`, ascending.
+    /// Legal values of `dropped_until` beyond `head` at a turn start, ascending.
     cuts: Vec<usize>,
+    /// Legal values of `dropped_until` at the start of a tool step, ascending.
+    step_cuts: Vec<usize>,
     /// Index of the newest turn's start (elements from here are not elided in step 1).
     newest_turn: usize,
     /// Index of the newest turn's last tool step (never elided).
@@ -242,13 +279,16 @@ impl<'a> Conv<'a> {
             h.write(b"\x1e");
         }
         let pairs = pairs(&elems);
+        let whole = |k: usize| {
+            pairs
+                .iter()
+                .all(|&(a, b)| (head..k).contains(&a) == (head..k).contains(&b))
+        };
         let cuts = (head + 1..n)
-            .filter(|&k| elems[k].turn_start)
-            .filter(|&k| {
-                pairs
-                    .iter()
-                    .all(|&(a, b)| (head..k).contains(&a) == (head..k).contains(&b))
-            })
+            .filter(|&k| elems[k].turn_start && whole(k))
+            .collect();
+        let step_cuts = (head + 1..n)
+            .filter(|&k| elems[k].assistant && !elems[k - 1].reasoning && whole(k))
             .collect();
         let newest_turn = (0..n)
             .rev()
@@ -275,6 +315,7 @@ impl<'a> Conv<'a> {
             head,
             head_hash: h.0,
             cuts,
+            step_cuts,
             newest_turn,
             last_step,
             fixed_breakpoints,
@@ -376,7 +417,11 @@ impl<'a> Conv<'a> {
                     );
                 } else {
                     out.push(b',');
-                    if let Some(m) = self.gap_marker(i - prev - 1) {
+                    let alternating = matches!(self.api, Api::Anthropic | Api::Gemini);
+                    if let Some(m) = self
+                        .gap_marker(i - prev - 1)
+                        .filter(|_| alternating && self.elems[i].user)
+                    {
                         out.extend_from_slice(&m);
                         out.push(b',');
                     }
@@ -413,6 +458,9 @@ impl Elem {
         let mut e = Elem {
             range,
             turn_start: false,
+            user: role.as_deref() == Some("user"),
+            assistant: role.as_deref() == Some("assistant"),
+            reasoning: false,
             calls: Vec::new(),
             results: Vec::new(),
             elide: Vec::new(),
@@ -461,6 +509,13 @@ impl Elem {
                 let ty = o.str("type");
                 let is_msg = ty.as_deref().map_or(true, |t| t == "message");
                 e.turn_start = is_msg && role.as_deref() == Some("user");
+                e.reasoning = ty.as_deref() == Some("reasoning");
+                e.assistant = match ty.as_deref() {
+                    None | Some("message") => role.as_deref() == Some("assistant"),
+                    Some(t) => {
+                        t == "reasoning" || (t.ends_with("_call") && !t.ends_with("_output"))
+                    }
+                };
                 if let (Some(id), Some(t)) = (o.str("call_id"), ty.as_deref()) {
                     if t.ends_with("_output") {
                         e.results.push(Some(id));
@@ -498,6 +553,8 @@ impl Elem {
                     }
                 }
                 // Gemini's role is optional and defaults to user.
+                e.user = role.as_deref().map_or(true, |r| r == "user");
+                e.assistant = role.as_deref() == Some("model");
                 e.turn_start =
                     role.as_deref().map_or(true, |r| r == "user") && e.results.is_empty();
             }

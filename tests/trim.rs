@@ -342,3 +342,28 @@ fn the_validators_catch_what_a_naive_cut_breaks() {
     s.breakpoints = 5;
     assert!(validate(Api::Anthropic, &render(Api::Anthropic, &s, false)).is_err());
 }
+
+#[test]
+fn a_long_loop_of_small_steps_drops_its_oldest_steps() {
+    for api in APIS {
+        let mut steps = vec![Step::User("refactor everything".into())];
+        for i in 0..60 {
+            steps.push(Step::Tools(vec![(format!("t{i}"), text(i, 600))]));
+        }
+        let s = Script {
+            system: "sys".into(),
+            steps,
+            breakpoints: 0,
+        };
+        let body = render(api, &s, false);
+        let need = count(&body) / 3;
+        let t = run(api, &body, need).unwrap();
+        check_trimmed(api, &body, &t.body).unwrap();
+        assert!(count(&t.body) <= need, "{api:?}");
+        assert!(count(&t.body) > need * 8 / 10, "{api:?}: over-trimmed");
+        assert_eq!(t.tool_results, 0, "{api:?}: nothing big enough to elide");
+        // No marker needed: the kept tail starts with the model's own step.
+        let s = String::from_utf8(t.body).unwrap();
+        assert!(!s.contains("earlier messages omitted"), "{api:?}");
+    }
+}
