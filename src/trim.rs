@@ -15,8 +15,9 @@
 //! 2. drop the oldest turns (the cut lands on a turn start);
 //! 3. elide outputs of the newest turn that the model has already acted on
 //!    (all but its last tool step);
-//! 4. for one long agent loop with no turns left to drop, drop its oldest
-//!    tool steps (the cut lands on an assistant message).
+//! 4. for one long agent loop under the first user message (no later user
+//!    message), drop its oldest tool steps (the cut lands on an assistant
+//!    message).
 //!
 //! A cut that would separate a tool call from its result is never taken.
 //! Anthropic requires strict user/assistant alternation starting with a user
@@ -139,15 +140,7 @@ pub fn trim_sticky(
     }
     if !under(&st) {
         // Step 2: drop the oldest complete turns.
-        let ks: Vec<usize> = conv.cuts.iter().copied().filter(|&c| c > st.k).collect();
-        if !ks.is_empty() {
-            let at = |j: usize| State {
-                k: ks[j],
-                elided: st.elided.range(ks[j]..).copied().collect(),
-            };
-            let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
-            st = at(j);
-        }
+        drop_until(&mut st, &conv.cuts, &under);
     }
     if !under(&st) {
         // Step 3: tool results of the newest turn the model has already acted
@@ -158,25 +151,27 @@ pub fn trim_sticky(
         elide_until(&mut st, &recent, &under);
     }
     if !under(&st) {
-        // Step 4: a single long agent loop has no turns to drop; drop its
-        // oldest tool steps instead (a cut before an assistant message).
-        let ks: Vec<usize> = conv
-            .step_cuts
-            .iter()
-            .copied()
-            .filter(|&c| c > st.k)
-            .collect();
-        if !ks.is_empty() {
-            let at = |j: usize| State {
-                k: ks[j],
-                elided: st.elided.range(ks[j]..).copied().collect(),
-            };
-            let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
-            st = at(j);
-        }
+        // Step 4: a single long agent loop (the first user message is the
+        // only one) has no turns to drop; drop its oldest tool steps instead.
+        drop_until(&mut st, &conv.step_cuts, &under);
     }
 
     conv.finish(st)
+}
+
+/// Move the cut to the first of `cuts` beyond the current one that gets
+/// under; the last one if none does.
+fn drop_until(st: &mut State, cuts: &[usize], under: &dyn Fn(&State) -> bool) {
+    let ks: Vec<usize> = cuts.iter().copied().filter(|&c| c > st.k).collect();
+    if ks.is_empty() {
+        return;
+    }
+    let at = |j: usize| State {
+        k: ks[j],
+        elided: st.elided.range(ks[j]..).copied().collect(),
+    };
+    let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
+    *st = at(j);
 }
 
 /// Elide the shortest oldest-first prefix of `cands` that gets under; all of
@@ -287,7 +282,10 @@ impl<'a> Conv<'a> {
         let cuts = (head + 1..n)
             .filter(|&k| elems[k].turn_start && whole(k))
             .collect();
-        let step_cuts = (head + 1..n)
+        // Steps are only dropped from the first user's turn: a later user
+        // message is never dropped while the work it asked for is kept.
+        let first_turn_end = cuts_end(&elems, head);
+        let step_cuts = (head + 1..first_turn_end.min(n))
             .filter(|&k| elems[k].assistant && !elems[k - 1].reasoning && whole(k))
             .collect();
         let newest_turn = (0..n)
@@ -561,6 +559,13 @@ impl Elem {
         }
         Some(e)
     }
+}
+
+/// Index of the first turn start at or after `from` (`elems.len()` if none).
+fn cuts_end(elems: &[Elem], from: usize) -> usize {
+    (from..elems.len())
+        .find(|&i| elems[i].turn_start)
+        .unwrap_or(elems.len())
 }
 
 /// (call element, result element) pairs: by id where the id is found among

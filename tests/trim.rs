@@ -367,3 +367,34 @@ fn a_long_loop_of_small_steps_drops_its_oldest_steps() {
         assert!(!s.contains("earlier messages omitted"), "{api:?}");
     }
 }
+
+#[test]
+fn the_newest_user_message_is_never_dropped_for_its_own_loop() {
+    for api in APIS {
+        let mut steps = vec![
+            Step::User("first".into()),
+            Step::Assistant(text(1, 400)),
+            Step::User("now refactor everything".into()),
+        ];
+        for i in 0..60 {
+            steps.push(Step::Tools(vec![(format!("t{i}"), text(i, 600))]));
+        }
+        let s = Script {
+            system: "sys".into(),
+            steps,
+            breakpoints: 0,
+        };
+        let body = render(api, &s, false);
+        let need = count(&body) / 3;
+        let t = run(api, &body, need).unwrap();
+        check_trimmed(api, &body, &t.body).unwrap();
+        // Only the first answer could go: over the target, the caller rejects.
+        assert!(count(&t.body) > need, "{api:?}");
+        assert!(
+            String::from_utf8(t.body)
+                .unwrap()
+                .contains("now refactor everything"),
+            "{api:?}"
+        );
+    }
+}
