@@ -6,7 +6,7 @@
 mod trim_support;
 
 use proptest::prelude::*;
-use tidemark::trim::{trim, trim_sticky};
+use tidemark::trim::{trim, trim_sticky, Cut};
 use trim_support::*;
 
 /// One user turn: question length, tool steps (output lengths per call),
@@ -135,6 +135,26 @@ proptest! {
             };
             if head(&body1) == head(&body2) {
                 prop_assert!(t2.cut.dropped_until >= t1.cut.dropped_until);
+            }
+        }
+    }
+
+    #[test]
+    fn a_tampered_prior_cut_is_validated_not_trusted(
+        (api, turns, pretty, bp) in conversation(),
+        frac in 0.0f64..1.0,
+        until in 0usize..80,
+        elided in prop::collection::vec(0usize..80, 0..6),
+    ) {
+        let api = APIS[api];
+        let body = render(api, &script(&turns, bp), pretty);
+        let need = (count(&body) as f64 * frac) as u64;
+        let Some(t) = trim(api, &body, &count, need, None) else { return Ok(()) };
+        // Same head hash, arbitrary cut: only legal parts may be applied.
+        let prior = Cut { dropped_until: until, elided, ..t.cut.clone() };
+        if let Some(t2) = trim(api, &body, &count, need, Some(&prior)) {
+            if let Err(e) = check_trimmed(api, &body, &t2.body) {
+                return Err(TestCaseError::fail(format!("{api:?} {prior:?}: {e}")));
             }
         }
     }

@@ -398,3 +398,30 @@ fn the_newest_user_message_is_never_dropped_for_its_own_loop() {
         );
     }
 }
+
+#[test]
+fn odd_but_valid_json_is_spliced_faithfully() {
+    let big = text(9, 3000);
+    let big = serde_json::to_string(&big).unwrap();
+    // Escaped key names, whitespace everywhere, a member after the array.
+    let body = format!(
+        r#" {{ "stream" : true ,
+  "m\u0065ssages" : [
+    {{ "r\u006fle" : "system" , "content" : "sys" }} ,
+    {{"role":"user","content":"first"}},
+    {{"role":"assistant","content":null,"tool_calls":[{{"id":"a","type":"function","function":{{"name":"f","arguments":"{{}}"}}}}]}},
+    {{"role":"tool","tool_call_id":"a","content":{big}}} ,
+    {{"role":"assistant","content":"done"}},
+    {{"role":"user","content":"second"}}
+  ] ,
+  "model" : "gpt-4o" }}
+"#
+    );
+    let body = body.as_bytes();
+    let t = run(Api::OpenAiChat, body, count(body) / 2).unwrap();
+    check_trimmed(Api::OpenAiChat, body, &t.body).unwrap();
+    let s = std::str::from_utf8(&t.body).unwrap();
+    assert!(s.starts_with(" { \"stream\" : true ,\n  \"m\\u0065ssages\" : [\n    { \"r\\u006fle\""));
+    assert!(s.ends_with("] ,\n  \"model\" : \"gpt-4o\" }\n"), "{s}");
+    assert_eq!(t.tool_results, 1);
+}
