@@ -425,3 +425,54 @@ fn odd_but_valid_json_is_spliced_faithfully() {
     assert!(s.ends_with("] ,\n  \"model\" : \"gpt-4o\" }\n"), "{s}");
     assert_eq!(t.tool_results, 1);
 }
+
+#[test]
+fn a_growing_session_moves_its_cut_rarely_and_keeps_its_prefix_otherwise() {
+    // The proxy's use: trim only when over the limit, down to trim-to, with
+    // the session's last cut kept while it still fits under the limit.
+    let (limit, trim_to) = (9_000u64, 6_000u64);
+    for api in APIS {
+        let mut s = agent_script(1, 1, 800);
+        let mut cut = None;
+        let mut last: Option<Vec<u8>> = None;
+        let (mut moves, mut trimmed) = (0, 0);
+        for round in 0..60 {
+            s.steps.pop();
+            s.steps.push(Step::User(format!(
+                "question {round}: {}",
+                text(round, 150)
+            )));
+            s.steps
+                .push(Step::Tools(vec![("grep".into(), text(round, 700))]));
+            s.steps.push(Step::Assistant(text(round + 1, 500)));
+            s.steps.push(Step::User(format!("newest {round}")));
+            let body = render(api, &s, false);
+            if count(&body) <= limit {
+                continue;
+            }
+            let t = trim_sticky(api, &body, &count, trim_to, limit, cut.as_ref())
+                .unwrap_or_else(|| panic!("{api:?} round {round}"));
+            check_trimmed(api, &body, &t.body).unwrap();
+            assert!(count(&t.body) <= limit, "{api:?} round {round}");
+            trimmed += 1;
+            if cut.as_ref() == Some(&t.cut) {
+                // Same cut: the whole previous forwarded conversation but its
+                // newest message is a byte-identical prefix of this one.
+                let prev = last.as_ref().unwrap();
+                let els = raw_elements(api, prev);
+                let (off, _) = &els[els.len() - 1];
+                assert_eq!(t.body[..*off], prev[..*off], "{api:?} round {round}");
+            } else {
+                moves += 1;
+            }
+            cut = Some(t.cut.clone());
+            last = Some(t.body);
+        }
+        eprintln!("{api:?}: {trimmed} trimmed requests, the cut moved {moves} times");
+        assert!(trimmed > 20, "{api:?}: {trimmed}");
+        assert!(
+            moves * 3 < trimmed,
+            "{api:?}: cut moved {moves} times in {trimmed}"
+        );
+    }
+}
