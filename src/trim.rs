@@ -229,6 +229,10 @@ struct Elem {
     results: Vec<Option<String>>,
     /// Splices that elide this element's oversized tool outputs.
     elide: Vec<(Range<usize>, Vec<u8>)>,
+    /// Anthropic `cache_control` breakpoints in the element, and how many of
+    /// them sit inside the outputs that elision removes.
+    breakpoints: usize,
+    elided_breakpoints: usize,
 }
 
 struct Conv<'a> {
@@ -359,13 +363,13 @@ impl<'a> Conv<'a> {
         self.elems[r].iter().filter(|e| e.turn_start).count()
     }
 
-    /// The element's bytes after elision.
-    fn elem_bytes(&self, i: usize, st: &State) -> Vec<u8> {
+    /// Append element `i` as `st` has it: its own bytes, outputs elided.
+    fn write_elem(&self, out: &mut Vec<u8>, i: usize, st: &State) {
         let e = &self.elems[i];
         if !st.elided.contains(&i) {
-            return self.body[e.range.clone()].to_vec();
+            out.extend_from_slice(&self.body[e.range.clone()]);
+            return;
         }
-        let mut out = Vec::with_capacity(e.range.len());
         let mut at = e.range.start;
         for (r, rep) in &e.elide {
             out.extend_from_slice(&self.body[at..r.start]);
@@ -373,66 +377,64 @@ impl<'a> Conv<'a> {
             at = r.end;
         }
         out.extend_from_slice(&self.body[at..e.range.end]);
-        out
     }
 
     /// The request with state `st` applied, spliced from the original text.
     fn render(&self, st: &State) -> Vec<u8> {
         let b = self.body;
         let n = self.elems.len();
-        let kept: Vec<usize> = (0..self.head).chain(st.k.max(self.head)..n).collect();
-        let mut parts: Vec<Vec<u8>> = kept.iter().map(|&i| self.elem_bytes(i, st)).collect();
-        if self.api == Api::Anthropic {
-            let mut extra = (self.fixed_breakpoints
-                + parts.iter().map(|p| breakpoints(p)).sum::<usize>())
-            .saturating_sub(MAX_CACHE_BREAKPOINTS);
-            for p in parts.iter_mut() {
-                if extra == 0 {
-                    break;
-                }
-                let have = breakpoints(p);
-                if have == 0 {
-                    continue;
-                }
-                if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(p) {
-                    let removed = strip_breakpoints(&mut v, extra.min(have));
-                    if let Ok(s) = serde_json::to_vec(&v) {
-                        *p = s;
-                        extra -= removed;
-                    }
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(b.len());
-        let first = &self.elems[0].range;
-        out.extend_from_slice(&b[..first.start]);
-        for (j, (&i, p)) in kept.iter().zip(&parts).enumerate() {
-            if j > 0 {
-                let prev = kept[j - 1];
-                if prev + 1 == i {
-                    out.extend_from_slice(
-                        &b[self.elems[prev].range.end..self.elems[i].range.start],
-                    );
+        let kept = (0..self.head).chain(st.k.max(self.head)..n);
+        let bp = |i: usize| {
+            let e = &self.elems[i];
+            e.breakpoints
+                - if st.elided.contains(&i) {
+                    e.elided_breakpoints
                 } else {
+                    0
+                }
+        };
+        // Anthropic: breakpoints beyond four go, oldest kept blocks first.
+        let mut extra = (self.fixed_breakpoints + kept.clone().map(bp).sum::<usize>())
+            .saturating_sub(MAX_CACHE_BREAKPOINTS);
+        let mut out = Vec::with_capacity(b.len());
+        out.extend_from_slice(&b[..self.elems[0].range.start]);
+        let mut prev: Option<usize> = None;
+        for i in kept {
+            match prev {
+                Some(p) if p + 1 == i => {
+                    out.extend_from_slice(&b[self.elems[p].range.end..self.elems[i].range.start])
+                }
+                Some(p) => {
                     out.push(b',');
-                    let alternating = matches!(self.api, Api::Anthropic | Api::Gemini);
-                    if let Some(m) = self
-                        .gap_marker(i - prev - 1)
-                        .filter(|_| alternating && self.elems[i].user)
-                    {
+                    if let Some(m) = self.gap_marker(i - p - 1).filter(|_| self.elems[i].user) {
                         out.extend_from_slice(&m);
                         out.push(b',');
                     }
                 }
+                None => {}
             }
-            out.extend_from_slice(p);
+            prev = Some(i);
+            let have = bp(i);
+            if extra > 0 && have > 0 {
+                let mut own = Vec::new();
+                self.write_elem(&mut own, i, st);
+                if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(&own) {
+                    let removed = strip_breakpoints(&mut v, extra.min(have));
+                    if let Ok(s) = serde_json::to_vec(&v) {
+                        out.extend_from_slice(&s);
+                        extra -= removed;
+                        continue;
+                    }
+                }
+            }
+            self.write_elem(&mut out, i, st);
         }
         out.extend_from_slice(&b[self.elems[n - 1].range.end..]);
         out
     }
 
     /// The synthetic message that keeps role alternation across a gap of
-    /// `dropped` elements, for the APIs that need it.
+    /// `dropped` elements before a user message, for the APIs that need it.
     fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
         let text = format!("[tidemark: {dropped} earlier messages omitted]");
         let v = match self.api {
@@ -462,6 +464,8 @@ impl Elem {
             calls: Vec::new(),
             results: Vec::new(),
             elide: Vec::new(),
+            breakpoints: 0,
+            elided_breakpoints: 0,
         };
         let oversized = |r: &Range<usize>| r.len() > ELIDE_MIN_BYTES;
         match api {
@@ -502,6 +506,12 @@ impl Elem {
                     }
                 }
                 e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+                e.breakpoints = breakpoints(&b[e.range.clone()]);
+                e.elided_breakpoints = e
+                    .elide
+                    .iter()
+                    .map(|(r, _)| breakpoints(&b[r.clone()]))
+                    .sum();
             }
             Api::OpenAiResponses => {
                 let ty = o.str("type");
