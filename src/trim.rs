@@ -9,13 +9,21 @@
 //! message: chat system prompts live there), then elements
 //! `[head_len, dropped_until)` that are dropped, then the kept tail, which
 //! always ends with the newest element. A *turn* starts at a user message that
-//! is not a tool result; cuts only ever land on a turn start, and a cut that
-//! would separate a tool call from its result is never taken.
+//! is not a tool result. The steps, each taken only while still over:
 //!
+//! 1. elide oversized tool outputs before the newest turn, oldest first;
+//! 2. drop the oldest turns (the cut lands on a turn start);
+//! 3. elide outputs of the newest turn that the model has already acted on
+//!    (all but its last tool step);
+//! 4. for one long agent loop under the first user message (no later user
+//!    message), drop its oldest tool steps (the cut lands on an assistant
+//!    message).
+//!
+//! A cut that would separate a tool call from its result is never taken.
 //! Anthropic requires strict user/assistant alternation starting with a user
-//! message. The head ends with a user message and the kept tail starts with a
-//! user message, so tidemark inserts one synthetic assistant message between
-//! them (`[tidemark: N earlier messages omitted]`): the head's bytes stay
+//! message. When the kept tail starts with a user message, tidemark inserts one
+//! synthetic assistant message after the head
+//! (`[tidemark: N earlier messages omitted]`): the head's bytes stay
 //! untouched, the gap is visible to the model, and alternation holds. Gemini
 //! gets the same marker as a `model` content.
 //!
@@ -106,7 +114,9 @@ pub fn trim_sticky(
 
     if let Some(p) = prior {
         if p.prefix_hash == conv.head_hash
-            && (p.dropped_until == conv.head || conv.cuts.contains(&p.dropped_until))
+            && (p.dropped_until == conv.head
+                || conv.cuts.contains(&p.dropped_until)
+                || conv.step_cuts.contains(&p.dropped_until))
         {
             st.k = p.dropped_until;
             st.elided = p
@@ -116,7 +126,7 @@ pub fn trim_sticky(
                 .filter(|&i| i >= st.k && conv.elidable(i))
                 .collect();
             if count(&conv.render(&st)) <= keep.max(need) {
-                return conv.finish(body, st);
+                return conv.finish(st);
             }
         }
     }
@@ -130,15 +140,7 @@ pub fn trim_sticky(
     }
     if !under(&st) {
         // Step 2: drop the oldest complete turns.
-        let ks: Vec<usize> = conv.cuts.iter().copied().filter(|&c| c > st.k).collect();
-        if !ks.is_empty() {
-            let at = |j: usize| State {
-                k: ks[j],
-                elided: st.elided.range(ks[j]..).copied().collect(),
-            };
-            let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
-            st = at(j);
-        }
+        drop_until(&mut st, &conv.cuts, &under);
     }
     if !under(&st) {
         // Step 3: tool results of the newest turn the model has already acted
@@ -148,8 +150,28 @@ pub fn trim_sticky(
             .collect();
         elide_until(&mut st, &recent, &under);
     }
+    if !under(&st) {
+        // Step 4: a single long agent loop (the first user message is the
+        // only one) has no turns to drop; drop its oldest tool steps instead.
+        drop_until(&mut st, &conv.step_cuts, &under);
+    }
 
-    conv.finish(body, st)
+    conv.finish(st)
+}
+
+/// Move the cut to the first of `cuts` beyond the current one that gets
+/// under; the last one if none does.
+fn drop_until(st: &mut State, cuts: &[usize], under: &dyn Fn(&State) -> bool) {
+    let ks: Vec<usize> = cuts.iter().copied().filter(|&c| c > st.k).collect();
+    if ks.is_empty() {
+        return;
+    }
+    let at = |j: usize| State {
+        k: ks[j],
+        elided: st.elided.range(ks[j]..).copied().collect(),
+    };
+    let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
+    *st = at(j);
 }
 
 /// Elide the shortest oldest-first prefix of `cands` that gets under; all of
@@ -192,6 +214,14 @@ struct State {
 struct Elem {
     range: Range<usize>,
     turn_start: bool,
+    /// A user message (tool results included): needs a gap marker before it
+    /// where roles must alternate.
+    user: bool,
+    /// Produced by the model (assistant / model message, Responses output
+    /// item): a tool step may start here.
+    assistant: bool,
+    /// A Responses reasoning item, which must stay with the item after it.
+    reasoning: bool,
     /// Tool call ids this element issues.
     calls: Vec<String>,
     /// Tool call ids whose results this element carries (`None`: no id, as in
@@ -199,6 +229,10 @@ struct Elem {
     results: Vec<Option<String>>,
     /// Splices that elide this element's oversized tool outputs.
     elide: Vec<(Range<usize>, Vec<u8>)>,
+    /// Anthropic `cache_control` breakpoints in the element, and how many of
+    /// them sit inside the outputs that elision removes.
+    breakpoints: usize,
+    elided_breakpoints: usize,
 }
 
 struct Conv<'a> {
@@ -208,8 +242,10 @@ struct Conv<'a> {
     /// `head_len`: elements `[0, head)` are always kept.
     head: usize,
     head_hash: u64,
-    /// Legal values of `dropped_until` beyond `head`, ascending.
+    /// Legal values of `dropped_until` beyond `head` at a turn start, ascending.
     cuts: Vec<usize>,
+    /// Legal values of `dropped_until` at the start of a tool step, ascending.
+    step_cuts: Vec<usize>,
     /// Index of the newest turn's start (elements from here are not elided in step 1).
     newest_turn: usize,
     /// Index of the newest turn's last tool step (never elided).
@@ -242,13 +278,19 @@ impl<'a> Conv<'a> {
             h.write(b"\x1e");
         }
         let pairs = pairs(&elems);
+        let whole = |k: usize| {
+            pairs
+                .iter()
+                .all(|&(a, b)| (head..k).contains(&a) == (head..k).contains(&b))
+        };
         let cuts = (head + 1..n)
-            .filter(|&k| elems[k].turn_start)
-            .filter(|&k| {
-                pairs
-                    .iter()
-                    .all(|&(a, b)| (head..k).contains(&a) == (head..k).contains(&b))
-            })
+            .filter(|&k| elems[k].turn_start && whole(k))
+            .collect();
+        // Steps are only dropped from the first user's turn: a later user
+        // message is never dropped while the work it asked for is kept.
+        let first_turn_end = cuts_end(&elems, head);
+        let step_cuts = (head + 1..first_turn_end.min(n))
+            .filter(|&k| elems[k].assistant && !elems[k - 1].reasoning && whole(k))
             .collect();
         let newest_turn = (0..n)
             .rev()
@@ -275,6 +317,7 @@ impl<'a> Conv<'a> {
             head,
             head_hash: h.0,
             cuts,
+            step_cuts,
             newest_turn,
             last_step,
             fixed_breakpoints,
@@ -288,12 +331,12 @@ impl<'a> Conv<'a> {
     }
 
     /// The result for state `st`, or `None` if it removes nothing.
-    fn finish(&self, body: &[u8], st: State) -> Option<Trimmed> {
+    fn finish(&self, st: State) -> Option<Trimmed> {
         if st.k == self.head && st.elided.is_empty() {
             return None;
         }
         let out = self.render(&st);
-        if out.len() >= body.len() {
+        if out.len() >= self.body.len() {
             return None;
         }
         // The rest of the first user's turn counts as one when it goes.
@@ -320,13 +363,13 @@ impl<'a> Conv<'a> {
         self.elems[r].iter().filter(|e| e.turn_start).count()
     }
 
-    /// The element's bytes after elision.
-    fn elem_bytes(&self, i: usize, st: &State) -> Vec<u8> {
+    /// Append element `i` as `st` has it: its own bytes, outputs elided.
+    fn write_elem(&self, out: &mut Vec<u8>, i: usize, st: &State) {
         let e = &self.elems[i];
         if !st.elided.contains(&i) {
-            return self.body[e.range.clone()].to_vec();
+            out.extend_from_slice(&self.body[e.range.clone()]);
+            return;
         }
-        let mut out = Vec::with_capacity(e.range.len());
         let mut at = e.range.start;
         for (r, rep) in &e.elide {
             out.extend_from_slice(&self.body[at..r.start]);
@@ -334,62 +377,64 @@ impl<'a> Conv<'a> {
             at = r.end;
         }
         out.extend_from_slice(&self.body[at..e.range.end]);
-        out
     }
 
     /// The request with state `st` applied, spliced from the original text.
     fn render(&self, st: &State) -> Vec<u8> {
         let b = self.body;
         let n = self.elems.len();
-        let kept: Vec<usize> = (0..self.head).chain(st.k.max(self.head)..n).collect();
-        let mut parts: Vec<Vec<u8>> = kept.iter().map(|&i| self.elem_bytes(i, st)).collect();
-        if self.api == Api::Anthropic {
-            let mut extra = (self.fixed_breakpoints
-                + parts.iter().map(|p| breakpoints(p)).sum::<usize>())
-            .saturating_sub(MAX_CACHE_BREAKPOINTS);
-            for p in parts.iter_mut() {
-                if extra == 0 {
-                    break;
-                }
-                let have = breakpoints(p);
-                if have == 0 {
-                    continue;
-                }
-                if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(p) {
-                    let removed = strip_breakpoints(&mut v, extra.min(have));
-                    if let Ok(s) = serde_json::to_vec(&v) {
-                        *p = s;
-                        extra -= removed;
-                    }
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(b.len());
-        let first = &self.elems[0].range;
-        out.extend_from_slice(&b[..first.start]);
-        for (j, (&i, p)) in kept.iter().zip(&parts).enumerate() {
-            if j > 0 {
-                let prev = kept[j - 1];
-                if prev + 1 == i {
-                    out.extend_from_slice(
-                        &b[self.elems[prev].range.end..self.elems[i].range.start],
-                    );
+        let kept = (0..self.head).chain(st.k.max(self.head)..n);
+        let bp = |i: usize| {
+            let e = &self.elems[i];
+            e.breakpoints
+                - if st.elided.contains(&i) {
+                    e.elided_breakpoints
                 } else {
+                    0
+                }
+        };
+        // Anthropic: breakpoints beyond four go, oldest kept blocks first.
+        let mut extra = (self.fixed_breakpoints + kept.clone().map(bp).sum::<usize>())
+            .saturating_sub(MAX_CACHE_BREAKPOINTS);
+        let mut out = Vec::with_capacity(b.len());
+        out.extend_from_slice(&b[..self.elems[0].range.start]);
+        let mut prev: Option<usize> = None;
+        for i in kept {
+            match prev {
+                Some(p) if p + 1 == i => {
+                    out.extend_from_slice(&b[self.elems[p].range.end..self.elems[i].range.start])
+                }
+                Some(p) => {
                     out.push(b',');
-                    if let Some(m) = self.gap_marker(i - prev - 1) {
+                    if let Some(m) = self.gap_marker(i - p - 1).filter(|_| self.elems[i].user) {
                         out.extend_from_slice(&m);
                         out.push(b',');
                     }
                 }
+                None => {}
             }
-            out.extend_from_slice(p);
+            prev = Some(i);
+            let have = bp(i);
+            if extra > 0 && have > 0 {
+                let mut own = Vec::new();
+                self.write_elem(&mut own, i, st);
+                if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(&own) {
+                    let removed = strip_breakpoints(&mut v, extra.min(have));
+                    if let Ok(s) = serde_json::to_vec(&v) {
+                        out.extend_from_slice(&s);
+                        extra -= removed;
+                        continue;
+                    }
+                }
+            }
+            self.write_elem(&mut out, i, st);
         }
         out.extend_from_slice(&b[self.elems[n - 1].range.end..]);
         out
     }
 
     /// The synthetic message that keeps role alternation across a gap of
-    /// `dropped` elements, for the APIs that need it.
+    /// `dropped` elements before a user message, for the APIs that need it.
     fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
         let text = format!("[tidemark: {dropped} earlier messages omitted]");
         let v = match self.api {
@@ -413,9 +458,14 @@ impl Elem {
         let mut e = Elem {
             range,
             turn_start: false,
+            user: role.as_deref() == Some("user"),
+            assistant: role.as_deref() == Some("assistant"),
+            reasoning: false,
             calls: Vec::new(),
             results: Vec::new(),
             elide: Vec::new(),
+            breakpoints: 0,
+            elided_breakpoints: 0,
         };
         let oversized = |r: &Range<usize>| r.len() > ELIDE_MIN_BYTES;
         match api {
@@ -456,11 +506,24 @@ impl Elem {
                     }
                 }
                 e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+                e.breakpoints = breakpoints(&b[e.range.clone()]);
+                e.elided_breakpoints = e
+                    .elide
+                    .iter()
+                    .map(|(r, _)| breakpoints(&b[r.clone()]))
+                    .sum();
             }
             Api::OpenAiResponses => {
                 let ty = o.str("type");
                 let is_msg = ty.as_deref().map_or(true, |t| t == "message");
                 e.turn_start = is_msg && role.as_deref() == Some("user");
+                e.reasoning = ty.as_deref() == Some("reasoning");
+                e.assistant = match ty.as_deref() {
+                    None | Some("message") => role.as_deref() == Some("assistant"),
+                    Some(t) => {
+                        t == "reasoning" || (t.ends_with("_call") && !t.ends_with("_output"))
+                    }
+                };
                 if let (Some(id), Some(t)) = (o.str("call_id"), ty.as_deref()) {
                     if t.ends_with("_output") {
                         e.results.push(Some(id));
@@ -497,11 +560,22 @@ impl Elem {
                         }
                     }
                 }
-                e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+                // Gemini's role is optional and defaults to user.
+                e.user = role.as_deref().map_or(true, |r| r == "user");
+                e.assistant = role.as_deref() == Some("model");
+                e.turn_start =
+                    role.as_deref().map_or(true, |r| r == "user") && e.results.is_empty();
             }
         }
         Some(e)
     }
+}
+
+/// Index of the first turn start at or after `from` (`elems.len()` if none).
+fn cuts_end(elems: &[Elem], from: usize) -> usize {
+    (from..elems.len())
+        .find(|&i| elems[i].turn_start)
+        .unwrap_or(elems.len())
 }
 
 /// (call element, result element) pairs: by id where the id is found among

@@ -10,15 +10,6 @@ use tidemark::provider::Api;
 use tidemark::trim::{trim, trim_sticky, Trimmed};
 use trim_support::*;
 
-/// Elements through the first user message.
-fn head_len(api: Api, body: &[u8]) -> usize {
-    raw_elements(api, body)
-        .iter()
-        .position(|(_, s)| is_turn_start(api, &serde_json::from_str(s).unwrap()))
-        .unwrap()
-        + 1
-}
-
 fn run(api: Api, body: &[u8], need: u64) -> Option<Trimmed> {
     trim(api, body, &count, need, None)
 }
@@ -309,4 +300,179 @@ fn trimming_a_large_session_is_quick() {
         t.tool_results
     );
     assert!(took.as_secs() < 20, "{took:?}");
+}
+
+#[test]
+fn the_validators_catch_what_a_naive_cut_breaks() {
+    let s = agent_script(3, 1, 100);
+    for api in APIS {
+        let body = render(api, &s, false);
+        validate(api, &body).unwrap();
+        let key = array_key(api);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let arr = v[key].as_array().unwrap().clone();
+        // Drop each single element in turn: every removal of a tool call, a
+        // tool result or (for alternating APIs) any message must be caught.
+        for (i, elem) in arr.iter().enumerate().take(arr.len() - 1).skip(1) {
+            let mut cut = v.clone();
+            cut[key].as_array_mut().unwrap().remove(i);
+            let b = serde_json::to_vec(&cut).unwrap();
+            let tooly = elem.get("tool_calls").is_some()
+                || elem["role"] == "tool"
+                || elem["type"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("function_call"))
+                || serde_json::to_string(elem).unwrap().contains("tool_use")
+                || serde_json::to_string(elem)
+                    .unwrap()
+                    .contains("functionCall")
+                || serde_json::to_string(elem)
+                    .unwrap()
+                    .contains("functionResponse");
+            let alternating = matches!(api, Api::Anthropic | Api::Gemini);
+            if tooly || alternating {
+                assert!(
+                    validate(api, &b).is_err(),
+                    "{api:?}: removing element {i} not caught"
+                );
+            }
+        }
+    }
+    let mut s = agent_script(2, 1, 100);
+    s.breakpoints = 5;
+    assert!(validate(Api::Anthropic, &render(Api::Anthropic, &s, false)).is_err());
+}
+
+#[test]
+fn a_long_loop_of_small_steps_drops_its_oldest_steps() {
+    for api in APIS {
+        let mut steps = vec![Step::User("refactor everything".into())];
+        for i in 0..60 {
+            steps.push(Step::Tools(vec![(format!("t{i}"), text(i, 600))]));
+        }
+        let s = Script {
+            system: "sys".into(),
+            steps,
+            breakpoints: 0,
+        };
+        let body = render(api, &s, false);
+        let need = count(&body) / 3;
+        let t = run(api, &body, need).unwrap();
+        check_trimmed(api, &body, &t.body).unwrap();
+        assert!(count(&t.body) <= need, "{api:?}");
+        assert!(count(&t.body) > need * 8 / 10, "{api:?}: over-trimmed");
+        assert_eq!(t.tool_results, 0, "{api:?}: nothing big enough to elide");
+        // No marker needed: the kept tail starts with the model's own step.
+        let s = String::from_utf8(t.body).unwrap();
+        assert!(!s.contains("earlier messages omitted"), "{api:?}");
+    }
+}
+
+#[test]
+fn the_newest_user_message_is_never_dropped_for_its_own_loop() {
+    for api in APIS {
+        let mut steps = vec![
+            Step::User("first".into()),
+            Step::Assistant(text(1, 400)),
+            Step::User("now refactor everything".into()),
+        ];
+        for i in 0..60 {
+            steps.push(Step::Tools(vec![(format!("t{i}"), text(i, 600))]));
+        }
+        let s = Script {
+            system: "sys".into(),
+            steps,
+            breakpoints: 0,
+        };
+        let body = render(api, &s, false);
+        let need = count(&body) / 3;
+        let t = run(api, &body, need).unwrap();
+        check_trimmed(api, &body, &t.body).unwrap();
+        // Only the first answer could go: over the target, the caller rejects.
+        assert!(count(&t.body) > need, "{api:?}");
+        assert!(
+            String::from_utf8(t.body)
+                .unwrap()
+                .contains("now refactor everything"),
+            "{api:?}"
+        );
+    }
+}
+
+#[test]
+fn odd_but_valid_json_is_spliced_faithfully() {
+    let big = text(9, 3000);
+    let big = serde_json::to_string(&big).unwrap();
+    // Escaped key names, whitespace everywhere, a member after the array.
+    let body = format!(
+        r#" {{ "stream" : true ,
+  "m\u0065ssages" : [
+    {{ "r\u006fle" : "system" , "content" : "sys" }} ,
+    {{"role":"user","content":"first"}},
+    {{"role":"assistant","content":null,"tool_calls":[{{"id":"a","type":"function","function":{{"name":"f","arguments":"{{}}"}}}}]}},
+    {{"role":"tool","tool_call_id":"a","content":{big}}} ,
+    {{"role":"assistant","content":"done"}},
+    {{"role":"user","content":"second"}}
+  ] ,
+  "model" : "gpt-4o" }}
+"#
+    );
+    let body = body.as_bytes();
+    let t = run(Api::OpenAiChat, body, count(body) / 2).unwrap();
+    check_trimmed(Api::OpenAiChat, body, &t.body).unwrap();
+    let s = std::str::from_utf8(&t.body).unwrap();
+    assert!(s.starts_with(" { \"stream\" : true ,\n  \"m\\u0065ssages\" : [\n    { \"r\\u006fle\""));
+    assert!(s.ends_with("] ,\n  \"model\" : \"gpt-4o\" }\n"), "{s}");
+    assert_eq!(t.tool_results, 1);
+}
+
+#[test]
+fn a_growing_session_moves_its_cut_rarely_and_keeps_its_prefix_otherwise() {
+    // The proxy's use: trim only when over the limit, down to trim-to, with
+    // the session's last cut kept while it still fits under the limit.
+    let (limit, trim_to) = (9_000u64, 6_000u64);
+    for api in APIS {
+        let mut s = agent_script(1, 1, 800);
+        let mut cut = None;
+        let mut last: Option<Vec<u8>> = None;
+        let (mut moves, mut trimmed) = (0, 0);
+        for round in 0..60 {
+            s.steps.pop();
+            s.steps.push(Step::User(format!(
+                "question {round}: {}",
+                text(round, 150)
+            )));
+            s.steps
+                .push(Step::Tools(vec![("grep".into(), text(round, 700))]));
+            s.steps.push(Step::Assistant(text(round + 1, 500)));
+            s.steps.push(Step::User(format!("newest {round}")));
+            let body = render(api, &s, false);
+            if count(&body) <= limit {
+                continue;
+            }
+            let t = trim_sticky(api, &body, &count, trim_to, limit, cut.as_ref())
+                .unwrap_or_else(|| panic!("{api:?} round {round}"));
+            check_trimmed(api, &body, &t.body).unwrap();
+            assert!(count(&t.body) <= limit, "{api:?} round {round}");
+            trimmed += 1;
+            if cut.as_ref() == Some(&t.cut) {
+                // Same cut: the whole previous forwarded conversation but its
+                // newest message is a byte-identical prefix of this one.
+                let prev = last.as_ref().unwrap();
+                let els = raw_elements(api, prev);
+                let (off, _) = &els[els.len() - 1];
+                assert_eq!(t.body[..*off], prev[..*off], "{api:?} round {round}");
+            } else {
+                moves += 1;
+            }
+            cut = Some(t.cut.clone());
+            last = Some(t.body);
+        }
+        eprintln!("{api:?}: {trimmed} trimmed requests, the cut moved {moves} times");
+        assert!(trimmed > 20, "{api:?}: {trimmed}");
+        assert!(
+            moves * 3 < trimmed,
+            "{api:?}: cut moved {moves} times in {trimmed}"
+        );
+    }
 }

@@ -274,6 +274,15 @@ pub fn raw_elements(api: Api, body: &[u8]) -> Vec<(usize, String)> {
         .collect()
 }
 
+/// Elements through the first user message.
+pub fn head_len(api: Api, body: &[u8]) -> usize {
+    raw_elements(api, body)
+        .iter()
+        .position(|(_, s)| is_turn_start(api, &serde_json::from_str(s).unwrap()))
+        .unwrap()
+        + 1
+}
+
 /// Is element `v` a user turn start (a user message that carries no tool result)?
 pub fn is_turn_start(api: Api, v: &Value) -> bool {
     let role = v["role"].as_str();
@@ -451,14 +460,13 @@ fn validate_responses(items: &[Value]) -> Result<(), String> {
                 }
                 answered.push(id);
             }
-            Some("reasoning") => {
-                // A reasoning item must be followed by the item it produced.
+            // A reasoning item must be followed by the item it produced.
+            Some("reasoning")
                 if items
                     .get(i + 1)
-                    .map_or(true, |n| n["type"] != "function_call")
-                {
-                    return Err(format!("reasoning item {i} without its function_call"));
-                }
+                    .map_or(true, |n| n["type"] != "function_call") =>
+            {
+                return Err(format!("reasoning item {i} without its function_call"));
             }
             _ => {}
         }
@@ -555,8 +563,8 @@ pub fn check_trimmed(api: Api, orig: &[u8], out: &[u8]) -> Result<(), String> {
         .ok_or("original has no user message")?
         + 1;
     let bp = |s: &str| s.contains("cache_control");
-    for i in 0..head {
-        if t.get(i).map(|x| &x.1) != Some(&o[i].1) && !bp(&o[i].1) {
+    for (i, (_, oi)) in o.iter().enumerate().take(head) {
+        if t.get(i).map(|x| &x.1) != Some(oi) && !bp(oi) {
             return Err(format!("head element {i} changed"));
         }
     }
