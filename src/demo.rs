@@ -184,12 +184,62 @@ impl Rng {
 }
 
 const WORDS: &[&str] = &[
-    "the", "agent", "reads", "a", "file", "and", "then", "calls", "tool", "with", "context",
-    "window", "budget", "stream", "parser", "handles", "every", "edge", "case", "before", "after",
-    "request", "response", "cache", "token", "count", "session", "limit", "retry", "failure",
-    "build", "test", "module", "function", "returns", "error", "value", "config", "should",
-    "never", "always", "update", "check", "refactor", "deploy", "latency", "throughput", "user",
-    "provider", "header", "compaction", "history", "summary", "message", "branch", "commit",
+    "the",
+    "agent",
+    "reads",
+    "a",
+    "file",
+    "and",
+    "then",
+    "calls",
+    "tool",
+    "with",
+    "context",
+    "window",
+    "budget",
+    "stream",
+    "parser",
+    "handles",
+    "every",
+    "edge",
+    "case",
+    "before",
+    "after",
+    "request",
+    "response",
+    "cache",
+    "token",
+    "count",
+    "session",
+    "limit",
+    "retry",
+    "failure",
+    "build",
+    "test",
+    "module",
+    "function",
+    "returns",
+    "error",
+    "value",
+    "config",
+    "should",
+    "never",
+    "always",
+    "update",
+    "check",
+    "refactor",
+    "deploy",
+    "latency",
+    "throughput",
+    "user",
+    "provider",
+    "header",
+    "compaction",
+    "history",
+    "summary",
+    "message",
+    "branch",
+    "commit",
 ];
 const CJK: &[&str] = &[
     "上下文窗口的大小决定了模型一次能看到多少内容。",
@@ -418,8 +468,7 @@ impl Agent {
     fn advance(&mut self, reply: Reply) {
         match (self.api, reply) {
             (SimApi::OpenAiChat, Reply::Text(t)) => {
-                self.messages
-                    .push(json!({"role":"assistant","content":t}));
+                self.messages.push(json!({"role":"assistant","content":t}));
                 let u = user_message(&mut self.rng);
                 self.push_user(u);
             }
@@ -431,9 +480,8 @@ impl Agent {
                     .push(json!({"role":"tool","tool_call_id":id,"content":out}));
             }
             (SimApi::Anthropic, Reply::Text(t)) => {
-                self.messages.push(
-                    json!({"role":"assistant","content":[{"type":"text","text":t}]}),
-                );
+                self.messages
+                    .push(json!({"role":"assistant","content":[{"type":"text","text":t}]}));
                 let u = user_message(&mut self.rng);
                 self.push_user(u);
             }
@@ -486,7 +534,11 @@ fn parse_stream(api: SimApi, body: &str) -> Option<Reply> {
                 Some("content_block_start") => {
                     if let Some(b) = v.get("content_block") {
                         if b.get("type").and_then(Value::as_str) == Some("tool_use") {
-                            id = b.get("id").and_then(Value::as_str).unwrap_or("").to_string();
+                            id = b
+                                .get("id")
+                                .and_then(Value::as_str)
+                                .unwrap_or("")
+                                .to_string();
                             name = b
                                 .get("name")
                                 .and_then(Value::as_str)
@@ -633,9 +685,7 @@ async fn run_session(
             String::from_utf8_lossy(&bytes).into_owned()
         };
         let tidemark_error = hdr("x-tidemark-error");
-        let util = proj
-            .as_ref()
-            .map(|p| p.0 as f64 / run.window.max(1) as f64);
+        let util = proj.as_ref().map(|p| p.0 as f64 / run.window.max(1) as f64);
         let decision = if tidemark_error.as_deref() == Some("context-budget") {
             "reject"
         } else if hdr("x-context-trimmed").is_some() {
@@ -660,14 +710,20 @@ async fn run_session(
         progress.inc(1);
         if parts.status != StatusCode::OK {
             run.ended = Some(if let Some(kind) = tidemark_error {
-                format!("tidemark answered {} ({kind}) at turn {turn}", parts.status.as_u16())
+                format!(
+                    "tidemark answered {} ({kind}) at turn {turn}",
+                    parts.status.as_u16()
+                )
             } else if parts.status == StatusCode::BAD_REQUEST {
                 format!(
                     "the provider rejected turn {turn}: the prompt no longer fits the {}-token window",
                     run.window
                 )
             } else {
-                format!("the provider answered {} at turn {turn}", parts.status.as_u16())
+                format!(
+                    "the provider answered {} at turn {turn}",
+                    parts.status.as_u16()
+                )
             });
             break;
         }
@@ -724,11 +780,8 @@ fn table(run: &SessionRun, paint: &Paint) -> String {
             )
         )
     );
-    let _ = writeln!(
-        s,
-        "{:>4}  {:>7}  {:>7}  {:>8}  {:>10}  {:>8}  {:<10}  {}",
-        "turn", "real", "chars/4", "estimate", "projection", "error", "src", "decision"
-    );
+    // Column widths match the rows below.
+    s.push_str("turn     real  chars/4  estimate  projection     error  src         decision\n");
     for r in &run.rows {
         let err = match (r.projection, r.real) {
             (Some(p), Some(real)) if real > 0 => Some(error_pct(p, real)),
@@ -816,7 +869,10 @@ fn summary(run: &SessionRun, warn_at: f64, paint: &Paint) -> String {
     let _ = writeln!(
         s,
         "   the real count crossed it:            {}",
-        real.map_or_else(|| format!("not within {last} turns"), |t| format!("turn {t}"))
+        real.map_or_else(
+            || format!("not within {last} turns"),
+            |t| format!("turn {t}")
+        )
     );
     let _ = writeln!(
         s,
@@ -904,7 +960,10 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     );
     let gates = (stack.warn_at, stack.limit_at);
     let mut runs = Vec::new();
-    for (i, api) in [SimApi::OpenAiChat, SimApi::Anthropic].into_iter().enumerate() {
+    for (i, api) in [SimApi::OpenAiChat, SimApi::Anthropic]
+        .into_iter()
+        .enumerate()
+    {
         let key = format!("demo-{}-1", api_name(api));
         runs.push(
             run_session(
@@ -941,13 +1000,19 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
         println!("  sessions:            http://{}/sessions", stack.admin);
         println!("\n  curl -sN {base}/v1/chat/completions -H 'authorization: Bearer sk-demo' -H 'content-type: application/json' -H 'x-session-id: try-1' -d '{{\"model\":\"gpt-4o\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello 👋\"}}]}}' -D - -o /dev/null");
         println!("  curl -sN {base}/v1/messages -H 'x-api-key: sk-ant-demo' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":256,\"messages\":[{{\"role\":\"user\",\"content\":\"こんにちは\"}}]}}' -D -");
-        println!("  curl -s http://{}/metrics | grep tidemark_projection", stack.admin);
+        println!(
+            "  curl -s http://{}/metrics | grep tidemark_projection",
+            stack.admin
+        );
         let traffic = {
             let proxy = stack.proxy;
             tokio::spawn(async move {
                 let hidden = indicatif::ProgressBar::hidden();
                 for round in 2u64.. {
-                    for (i, api) in [SimApi::OpenAiChat, SimApi::Anthropic].into_iter().enumerate() {
+                    for (i, api) in [SimApi::OpenAiChat, SimApi::Anthropic]
+                        .into_iter()
+                        .enumerate()
+                    {
                         let key = format!("demo-{}-{round}", api_name(api));
                         let _ = run_session(
                             &client,

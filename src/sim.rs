@@ -534,10 +534,17 @@ fn complete(
                 == Some(true);
             openai_stream(&model, n, &reply, count, output, include && with_usage)
         }
-        (SimApi::OpenAiChat, false) => vec![openai_body(&model, n, &reply, count, output, with_usage)],
-        (SimApi::Anthropic, true) => {
-            anthropic_stream(&model, n, &reply, anthropic_usage(body, count), output, with_usage)
+        (SimApi::OpenAiChat, false) => {
+            vec![openai_body(&model, n, &reply, count, output, with_usage)]
         }
+        (SimApi::Anthropic, true) => anthropic_stream(
+            &model,
+            n,
+            &reply,
+            anthropic_usage(body, count),
+            output,
+            with_usage,
+        ),
         (SimApi::Anthropic, false) => vec![anthropic_body(
             &model,
             n,
@@ -608,7 +615,12 @@ fn openai_stream(
     let mut obfuscation = move || {
         let len = 3 + (pad.next() % 8) as usize;
         (0..len)
-            .map(|_| char::from(b"abcdefghijkmnopqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ23456789"[(pad.next() % 57) as usize]))
+            .map(|_| {
+                char::from(
+                    b"abcdefghijkmnopqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+                        [(pad.next() % 57) as usize],
+                )
+            })
             .collect::<String>()
     };
     let mut chunk = |choices: Value| {
@@ -625,11 +637,17 @@ fn openai_stream(
         Reply::Text(t) => {
             ev.push(chunk(json!([{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"logprobs":null,"finish_reason":null}])));
             for p in pieces(t) {
-                ev.push(chunk(json!([{"index":0,"delta":{"content":p},"logprobs":null,"finish_reason":null}])));
+                ev.push(chunk(
+                    json!([{"index":0,"delta":{"content":p},"logprobs":null,"finish_reason":null}]),
+                ));
             }
             "stop"
         }
-        Reply::Tool { id: cid, name, input } => {
+        Reply::Tool {
+            id: cid,
+            name,
+            input,
+        } => {
             ev.push(chunk(json!([{"index":0,"delta":{"role":"assistant","content":null,"tool_calls":[{"index":0,"id":cid,"type":"function","function":{"name":name,"arguments":""}}],"refusal":null},"logprobs":null,"finish_reason":null}])));
             let args = input.to_string();
             let chars: Vec<char> = args.chars().collect();
@@ -779,8 +797,8 @@ fn stream_response(
     let delay = cfg.chunk_delay;
     let abort = cfg.abort_after_events;
     tokio::spawn(async move {
-        let mut gz = gzip
-            .then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
+        let mut gz =
+            gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
         for (i, e) in events.iter().enumerate() {
             if abort.is_some_and(|a| i >= a) {
                 let _ = tx
