@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
 # The whole test run, on a fresh machine: installs what tests need beyond
-# cargo, then runs every test. Used by README and .ci/run.
+# cargo (Python SDK clients, redis-server; Prometheus and docker-compose are
+# installed by scripts/check-prometheus.sh, which the metrics test runs), then
+# runs every test. Used by README and .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export CARGO_TERM_COLOR=never
-# Property tests: many cases in CI, fewer by default elsewhere.
-if [ "${CI:-}" = "true" ]; then export PROPTEST_CASES="${PROPTEST_CASES:-100000}"; fi
+# Property tests: more cases in CI than in a quick local run, still bounded.
+if [ "${CI:-}" = "true" ]; then export PROPTEST_CASES="${PROPTEST_CASES:-2000}"; fi
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# The official SDKs, as clients of the end-to-end policy tests.
+if ! python3 -c 'import openai, anthropic' 2>/dev/null; then
+    python3 -m pip install --quiet --disable-pip-version-check openai anthropic
+fi
+# A real Redis for the shared-state tests.
+if ! command -v redis-server >/dev/null; then
+    as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
 
 cargo build --tests --all-targets
 cargo test --all-targets -- --test-threads=2

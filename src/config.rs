@@ -309,7 +309,7 @@ impl Flags {
                 .ok_or_else(|| format!("route `{r}` must be PREFIX=URL"))?;
             add(p.trim(), u.trim())?;
         }
-        routes.sort_by(|a, b| b.prefix.len().cmp(&a.prefix.len()));
+        routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
 
         let mut session_headers: Vec<String> = self
             .session_headers

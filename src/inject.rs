@@ -1,25 +1,300 @@
-//! STUB: usage injection for OpenAI chat streams.
+//! Usage injection for OpenAI chat streams: ask the upstream for
+//! `stream_options.include_usage`, then take back out of the stream exactly
+//! what the option added, so the client gets the bytes it would have got.
+
 use bytes::BytesMut;
+use memchr::memmem;
 
 use crate::inspect::RequestView;
+use crate::provider::has_member;
+use crate::sse::MAX_EVENT_BYTES;
 
-pub fn inject_include_usage(_body: &[u8], _req: &RequestView<'_>) -> Option<Vec<u8>> {
-    None
+/// The request body with `stream_options.include_usage: true` added by a
+/// minimal edit (every other byte unchanged), or `None` when the client set
+/// `include_usage` itself (either way) or `stream_options` is not an object.
+pub fn inject_include_usage(body: &[u8], req: &RequestView<'_>) -> Option<Vec<u8>> {
+    let (at, text): (usize, &[u8]) = match req.raw("stream_options") {
+        None => match req.fields().last() {
+            Some((_, last)) => (
+                req.span(last).end,
+                b",\"stream_options\":{\"include_usage\":true}",
+            ),
+            None => (
+                memchr::memchr(b'{', body)? + 1,
+                b"\"stream_options\":{\"include_usage\":true}",
+            ),
+        },
+        Some(raw) if raw.get() == "null" => {
+            let span = req.span(raw);
+            let mut out = Vec::with_capacity(body.len() + 24);
+            out.extend_from_slice(&body[..span.start]);
+            out.extend_from_slice(b"{\"include_usage\":true}");
+            out.extend_from_slice(&body[span.end..]);
+            return Some(out);
+        }
+        Some(raw) => {
+            let inner = RequestView::parse(raw.get().as_bytes())?;
+            if inner.raw("include_usage").is_some() {
+                return None;
+            }
+            let base = req.span(raw).start;
+            match inner.fields().last() {
+                Some((_, last)) => (base + inner.span(last).end, b",\"include_usage\":true"),
+                None => (base + 1, b"\"include_usage\":true"),
+            }
+        }
+    };
+    let mut out = Vec::with_capacity(body.len() + text.len());
+    out.extend_from_slice(&body[..at]);
+    out.extend_from_slice(text);
+    out.extend_from_slice(&body[at..]);
+    Some(out)
 }
 
+/// Did an upstream's 400 body complain about `stream_options`?
 pub fn mentions_stream_options(body: &[u8]) -> bool {
-    memchr::memmem::find(body, b"stream_options").is_some()
+    memmem::find(body, b"stream_options").is_some()
 }
 
+/// Removes from an injected stream the usage-only event and the
+/// `"usage":null` member of every other chunk. It holds back at most one
+/// unfinished event; complete events leave as soon as their blank line is in.
 #[derive(Default)]
-pub struct UsageStripper;
+pub struct UsageStripper {
+    /// The unfinished event (starts at an event boundary).
+    pending: Vec<u8>,
+    /// How far `pending` has been scanned for line ends.
+    scanned: usize,
+    /// Where the current line starts in `pending`.
+    line_begin: usize,
+    /// The last line end seen was a CR: an LF right after it belongs to it.
+    after_cr: bool,
+    /// An event outgrew the cap: everything is forwarded untouched from here.
+    passthrough: bool,
+}
 
 impl UsageStripper {
     pub fn new() -> Self {
-        UsageStripper
+        Self::default()
     }
+
+    /// Take the next upstream chunk; append to `out` what the client gets now.
     pub fn push(&mut self, chunk: &[u8], out: &mut BytesMut) {
-        out.extend_from_slice(chunk);
+        if self.passthrough {
+            out.extend_from_slice(chunk);
+            return;
+        }
+        if self.pending.is_empty() {
+            // Common case: whole events inside the chunk, no copy.
+            let used = self.process(chunk, out);
+            self.pending.extend_from_slice(&chunk[used..]);
+        } else {
+            self.pending.extend_from_slice(chunk);
+            let buf = std::mem::take(&mut self.pending);
+            let used = self.process(&buf, out);
+            self.pending = buf;
+            self.pending.drain(..used);
+        }
+        if self.pending.len() > MAX_EVENT_BYTES {
+            self.passthrough = true;
+            out.extend_from_slice(&self.pending);
+            self.pending = Vec::new();
+        }
     }
-    pub fn finish(&mut self, _out: &mut BytesMut) {}
+
+    /// The stream ended: what is held back goes out (still without what the option added).
+    pub fn finish(&mut self, out: &mut BytesMut) {
+        emit(&self.pending, out);
+        self.pending.clear();
+        self.scanned = 0;
+        self.line_begin = 0;
+        self.after_cr = false;
+    }
+
+    /// Emit every complete event in `buf` (whose unscanned part starts at
+    /// `self.scanned`); returns how many bytes were emitted or dropped. Scan
+    /// state is left relative to the first unconsumed byte.
+    fn process(&mut self, buf: &[u8], out: &mut BytesMut) -> usize {
+        let mut start = 0; // first byte of the current event
+        let mut pos = self.scanned;
+        let mut waiting = false;
+        while let Some(off) = memchr::memchr2(b'\n', b'\r', &buf[pos..]) {
+            let i = pos + off;
+            if buf[i] == b'\n' && self.after_cr && i == self.line_begin {
+                // The LF of a CRLF whose CR was the previous terminator.
+                self.after_cr = false;
+                self.line_begin = i + 1;
+                pos = i + 1;
+                continue;
+            }
+            self.after_cr = false;
+            if i == self.line_begin {
+                // A blank line: the event ends after its terminator.
+                let end = if buf[i] == b'\r' {
+                    match buf.get(i + 1) {
+                        Some(b'\n') => i + 2,
+                        Some(_) => i + 1,
+                        None => {
+                            // Cannot tell CR from CRLF yet: wait for the next byte.
+                            pos = i;
+                            waiting = true;
+                            break;
+                        }
+                    }
+                } else {
+                    i + 1
+                };
+                emit(&buf[start..end], out);
+                start = end;
+                self.line_begin = end;
+                pos = end;
+                continue;
+            }
+            self.after_cr = buf[i] == b'\r';
+            self.line_begin = i + 1;
+            pos = i + 1;
+        }
+        if !waiting {
+            pos = buf.len();
+        }
+        self.scanned = pos - start;
+        self.line_begin -= start;
+        start
+    }
+}
+
+/// One complete event (its blank line included), minus what the option added.
+fn emit(ev: &[u8], out: &mut BytesMut) {
+    let Some(k) = memmem::find(ev, b"\"usage\"") else {
+        out.extend_from_slice(ev);
+        return;
+    };
+    if usage_only(ev) {
+        return;
+    }
+    match null_usage_member(ev, k) {
+        Some((a, b)) => {
+            out.extend_from_slice(&ev[..a]);
+            out.extend_from_slice(&ev[b..]);
+        }
+        None => out.extend_from_slice(ev),
+    }
+}
+
+fn skip_ws(s: &[u8], mut i: usize) -> usize {
+    while i < s.len() && matches!(s[i], b' ' | b'\t' | b'\r' | b'\n') {
+        i += 1;
+    }
+    i
+}
+
+/// The chunk `include_usage` adds: `"choices":[]` and a usage object.
+fn usage_only(ev: &[u8]) -> bool {
+    let empty_choices = memmem::find_iter(ev, b"\"choices\"").any(|at| {
+        let i = skip_ws(ev, at + 9);
+        if ev.get(i) != Some(&b':') {
+            return false;
+        }
+        let i = skip_ws(ev, i + 1);
+        if ev.get(i) != Some(&b'[') {
+            return false;
+        }
+        let i = skip_ws(ev, i + 1);
+        ev.get(i) == Some(&b']')
+    });
+    empty_choices && has_member(ev, b"\"usage\"")
+}
+
+/// The byte range of a `"usage":null` member with its separating comma.
+fn null_usage_member(ev: &[u8], first: usize) -> Option<(usize, usize)> {
+    let mut from = first;
+    loop {
+        let k = from + memmem::find(&ev[from..], b"\"usage\"")?;
+        let i = skip_ws(ev, k + 7);
+        if ev.get(i) == Some(&b':') {
+            let v = skip_ws(ev, i + 1);
+            if ev[v..].starts_with(b"null") {
+                let end = v + 4;
+                // Preceded by a comma: take the comma; first member: take the one after.
+                let mut b = k;
+                while b > 0 && matches!(ev[b - 1], b' ' | b'\t' | b'\r' | b'\n') {
+                    b -= 1;
+                }
+                if b > 0 && ev[b - 1] == b',' {
+                    return Some((b - 1, end));
+                }
+                if b > 0 && ev[b - 1] == b'{' {
+                    let a = skip_ws(ev, end);
+                    if ev.get(a) == Some(&b',') {
+                        return Some((k, skip_ws(ev, a + 1)));
+                    }
+                    return Some((k, a));
+                }
+                return None;
+            }
+        }
+        from = k + 7;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inject(body: &str) -> Option<String> {
+        let v = RequestView::parse(body.as_bytes()).unwrap();
+        inject_include_usage(body.as_bytes(), &v).map(|b| String::from_utf8(b).unwrap())
+    }
+
+    #[test]
+    fn injection_is_a_minimal_edit() {
+        assert_eq!(
+            inject(r#"{"model":"m","stream":true}"#).as_deref(),
+            Some(r#"{"model":"m","stream":true,"stream_options":{"include_usage":true}}"#)
+        );
+        assert_eq!(
+            inject("{\n  \"stream\": true\n}\n").as_deref(),
+            Some("{\n  \"stream\": true,\"stream_options\":{\"include_usage\":true}\n}\n")
+        );
+        assert_eq!(
+            inject(r#"{"stream":true,"stream_options":{"include_obfuscation":false}}"#).as_deref(),
+            Some(r#"{"stream":true,"stream_options":{"include_obfuscation":false,"include_usage":true}}"#)
+        );
+        assert_eq!(
+            inject(r#"{"stream_options": { },"stream":true}"#).as_deref(),
+            Some(r#"{"stream_options": {"include_usage":true },"stream":true}"#)
+        );
+        assert_eq!(
+            inject(r#"{"stream_options":null}"#).as_deref(),
+            Some(r#"{"stream_options":{"include_usage":true}}"#)
+        );
+        assert_eq!(inject(" { } ").as_deref(), Some(r#" {"stream_options":{"include_usage":true} } "#));
+        assert_eq!(inject(r#"{"stream_options":{"include_usage":false}}"#), None);
+        assert_eq!(inject(r#"{"stream_options":{"include_usage":true}}"#), None);
+        assert_eq!(inject(r#"{"stream_options":7}"#), None);
+    }
+
+    fn strip(input: &[u8], cut: &[usize]) -> Vec<u8> {
+        let mut s = UsageStripper::new();
+        let mut out = BytesMut::new();
+        let mut at = 0;
+        for &c in cut.iter().chain(std::iter::once(&input.len())) {
+            s.push(&input[at..c], &mut out);
+            at = c;
+        }
+        s.finish(&mut out);
+        out.to_vec()
+    }
+
+    #[test]
+    fn strips_null_members_and_the_usage_chunk() {
+        let with = b"data: {\"id\":\"a\",\"choices\":[{\"delta\":{}}],\"usage\":null,\"o\":\"x\"}\r\n\r\n: c\r\n\r\ndata: {\"usage\":null,\"choices\":[]}\n\ndata: {\"id\":\"a\",\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\r\rdata: [DONE]\n\n";
+        let want = b"data: {\"id\":\"a\",\"choices\":[{\"delta\":{}}],\"o\":\"x\"}\r\n\r\n: c\r\n\r\ndata: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        assert_eq!(strip(with, &[]), want);
+        for i in 0..=with.len() {
+            assert_eq!(strip(with, &[i]), want, "cut at {i}");
+        }
+        let all: Vec<usize> = (1..with.len()).collect();
+        assert_eq!(strip(with, &all), want);
+    }
 }

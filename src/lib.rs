@@ -46,6 +46,7 @@ pub mod session;
 pub mod sim;
 pub mod sse;
 pub mod tap;
+pub mod trim;
 pub mod upstream;
 pub mod usage;
 pub mod window;

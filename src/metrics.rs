@@ -252,10 +252,9 @@ impl Metrics {
     /// The `model` label value for a client-supplied model name: itself while
     /// fewer than [`MAX_MODEL_LABELS`] distinct values have been seen, else `other`.
     pub fn model_label(&self, model: Option<&str>) -> String {
-        let Some(m) = model else {
-            return "unknown".to_string();
-        };
-        let m: String = m.chars().take(100).collect();
+        // "unknown" (no model named) takes a slot like any other value, so
+        // the label never holds more than MAX_MODEL_LABELS values plus "other".
+        let m: String = model.unwrap_or("unknown").chars().take(100).collect();
         let mut set = self.models.lock().unwrap_or_else(|e| e.into_inner());
         if set.contains(&m) {
             return m;

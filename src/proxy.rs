@@ -238,9 +238,9 @@ async fn passthrough(
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m
-                .requests
-                .with_label_values(&["other", "none", &code.to_string()]);
+            let counter =
+                m.requests
+                    .with_label_values(&["other", &m.model_label(None), &code.to_string()]);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
             let body = ObservedBody::watched(
                 body.map_err(Into::into).boxed_unsync(),
@@ -255,7 +255,7 @@ async fn passthrough(
                 .inc();
             let err = ProxyError::Upstream(e);
             m.requests
-                .with_label_values(&["other", "none", err.status().as_str()])
+                .with_label_values(&["other", &m.model_label(None), err.status().as_str()])
                 .inc();
             error_response(&err, shape, state.config.max_body_bytes)
         }
@@ -726,7 +726,9 @@ async fn forward_unread(
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m.requests.with_label_values(&[api, "unknown", &code]);
+            let counter = m
+                .requests
+                .with_label_values(&[api, &m.model_label(None), &code]);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
             Response::from_parts(
                 parts,
@@ -743,7 +745,7 @@ async fn forward_unread(
                 .inc();
             let err = ProxyError::Upstream(e);
             m.requests
-                .with_label_values(&[api, "unknown", err.status().as_str()])
+                .with_label_values(&[api, &m.model_label(None), err.status().as_str()])
                 .inc();
             error_response(&err, p, state.config.max_body_bytes)
         }

@@ -3,7 +3,10 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -14,8 +17,10 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
+use tokio::time::Sleep;
 
 use crate::config::Config;
 use crate::metrics;
@@ -83,10 +88,21 @@ pub async fn run(
     let limit = Arc::new(Semaphore::new(state.config.max_connections));
     tokio::pin!(shutdown);
 
+    let header_timeout = state.config.header_read_timeout;
     loop {
-        let permit = tokio::select! {
-            p = Arc::clone(&limit).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = &mut shutdown => break,
+        let permit = match Arc::clone(&limit).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // At --max-connections: the next client waits in the accept queue.
+                metrics::get()
+                    .limits_hit
+                    .with_label_values(&["connections"])
+                    .inc();
+                tokio::select! {
+                    p = Arc::clone(&limit).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                    _ = &mut shutdown => break,
+                }
+            }
         };
         let (stream, _) = tokio::select! {
             r = listener.accept() => match r {
@@ -101,14 +117,20 @@ pub async fn run(
             _ = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        let (io, served) = FirstRequestDeadline::new(stream, header_timeout);
         let st = Arc::clone(&state);
-        let svc = service_fn(move |req: Request<Incoming>| proxy::handle(Arc::clone(&st), req));
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), svc)
-            .into_owned();
+        let svc = service_fn(move |req: Request<Incoming>| {
+            served.store(true, Ordering::Relaxed);
+            proxy::handle(Arc::clone(&st), req)
+        });
+        let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
-            let _ = conn.await;
+            if let Err(e) = conn.await {
+                if let Some(limit) = connection_limit_hit(&*e) {
+                    metrics::get().limits_hit.with_label_values(&[limit]).inc();
+                }
+            }
             drop(permit);
         });
     }
@@ -125,25 +147,138 @@ pub async fn run(
     Ok(())
 }
 
+/// Header-read timeout on the admin listener.
+const ADMIN_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// An accepted socket whose reads fail once `deadline` passes, until the
+/// connection's first request has been parsed. This bounds what hyper
+/// leaves unbounded: the auto builder's protocol detection (it reads up
+/// to the 24-byte h2 preface with no timeout), the first h1 request's
+/// headers (hyper's own timer starts only after detection), and an h2c
+/// client that sends the preface but no request. Later requests on a
+/// keep-alive h1 connection fall under hyper's `header_read_timeout`.
+struct FirstRequestDeadline {
+    io: TcpStream,
+    deadline: Pin<Box<Sleep>>,
+    served: Arc<AtomicBool>,
+}
+
+impl FirstRequestDeadline {
+    /// The wrapped socket and the flag the service sets on its first request.
+    fn new(io: TcpStream, timeout: Duration) -> (Self, Arc<AtomicBool>) {
+        let served = Arc::new(AtomicBool::new(false));
+        let io = FirstRequestDeadline {
+            io,
+            deadline: Box::pin(tokio::time::sleep(timeout)),
+            served: Arc::clone(&served),
+        };
+        (io, served)
+    }
+}
+
+impl AsyncRead for FirstRequestDeadline {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.served.load(Ordering::Relaxed) && this.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                HeaderReadTimeout,
+            )));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for FirstRequestDeadline {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// The error a connection ends with when its first request's headers did not arrive in time.
+#[derive(Debug)]
+struct HeaderReadTimeout;
+impl std::fmt::Display for HeaderReadTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("request headers not received within --header-read-timeout")
+    }
+}
+impl std::error::Error for HeaderReadTimeout {}
+
+/// The `tidemark_limits_hit_total{limit}` label for a connection that ended on
+/// a limit: headers too large (hyper answered 431) or not sent in time.
+fn connection_limit_hit(e: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+    let mut cur = Some(e);
+    let mut depth = 0;
+    while let Some(err) = cur {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            if h.is_parse_too_large() {
+                return Some("headers");
+            }
+            if h.is_timeout() {
+                return Some("header_timeout");
+            }
+        }
+        if err.downcast_ref::<HeaderReadTimeout>().is_some() {
+            return Some("header_timeout");
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if io.get_ref().is_some_and(|i| i.is::<HeaderReadTimeout>()) {
+                return Some("header_timeout");
+            }
+        }
+        depth += 1;
+        if depth > 8 {
+            break;
+        }
+        cur = err.source();
+    }
+    None
+}
+
 async fn serve_admin(listener: TcpListener, state: Arc<State>, mut stop: watch::Receiver<bool>) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10));
+        .header_read_timeout(ADMIN_HEADER_TIMEOUT);
     loop {
         let stream = tokio::select! {
             r = listener.accept() => match r { Ok((s, _)) => s, Err(_) => { tokio::time::sleep(Duration::from_millis(50)).await; continue } },
             _ = stop.changed() => break,
         };
+        let (io, served) = FirstRequestDeadline::new(stream, ADMIN_HEADER_TIMEOUT);
         let st = Arc::clone(&state);
         let svc = service_fn(move |req: Request<Incoming>| {
+            served.store(true, Ordering::Relaxed);
             let st = Arc::clone(&st);
             async move { Ok::<_, Infallible>(admin(&st, req)) }
         });
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), svc)
-            .into_owned();
+        let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
         tokio::spawn(async move {
             let _ = conn.await;
         });

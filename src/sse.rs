@@ -1,1 +1,251 @@
-//! STUB: incremental SSE scanner.
+//! Incremental `text/event-stream` scanner (WHATWG rules) with a capped
+//! buffer: it sees the stream in whatever chunks the network delivers and
+//! hands complete events on, holding only the unfinished line and event.
+
+use memchr::{memchr, memchr2};
+
+/// Most bytes one unfinished line plus one unfinished event may hold. A
+/// Responses terminal event repeats the whole response (output, instructions,
+/// tools), so this is generous; past it the scanner gives up on the response.
+pub const MAX_EVENT_BYTES: usize = 4 << 20;
+
+const BOM: &[u8; 3] = b"\xEF\xBB\xBF";
+
+/// One dispatched event: its `event:` name (if any) and its `data` lines
+/// joined with `\n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event<'a> {
+    pub name: Option<&'a str>,
+    pub data: &'a [u8],
+}
+
+/// Splits a byte stream into SSE events.
+#[derive(Debug, Default)]
+pub struct SseScanner {
+    /// The unfinished line carried over from the previous chunk.
+    line: Vec<u8>,
+    /// `data` of the event being built, each line followed by `\n`.
+    data: Vec<u8>,
+    /// `event` field of the event being built.
+    name: Vec<u8>,
+    /// How many bytes of a leading BOM were seen (3: decided, no more checks).
+    bom: u8,
+    /// The previous chunk ended in CR: an LF opening the next one belongs to it.
+    after_cr: bool,
+    /// The cap was hit; nothing more is read from this stream.
+    overflowed: bool,
+}
+
+impl SseScanner {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// True once an event or line outgrew [`MAX_EVENT_BYTES`].
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
+    }
+
+    /// Feed the next bytes; `on_event` is called for each event completed by them.
+    pub fn feed(&mut self, mut chunk: &[u8], on_event: &mut dyn FnMut(Event<'_>)) {
+        if self.overflowed {
+            return;
+        }
+        if self.bom < 3 {
+            while self.bom < 3 {
+                let Some((&b, rest)) = chunk.split_first() else {
+                    return;
+                };
+                if b == BOM[self.bom as usize] {
+                    self.bom += 1;
+                    chunk = rest;
+                } else {
+                    // Not a BOM after all: what matched so far is line content.
+                    self.line.extend_from_slice(&BOM[..self.bom as usize]);
+                    self.bom = 3;
+                }
+            }
+        }
+        if self.after_cr && !chunk.is_empty() {
+            self.after_cr = false;
+            if chunk.first() == Some(&b'\n') {
+                chunk = &chunk[1..];
+            }
+        }
+        while let Some(i) = memchr2(b'\n', b'\r', chunk) {
+            if self.line.is_empty() {
+                self.line_done(&chunk[..i], on_event);
+            } else {
+                self.line.extend_from_slice(&chunk[..i]);
+                let line = std::mem::take(&mut self.line);
+                self.line_done(&line, on_event);
+                self.line = line;
+                self.line.clear();
+            }
+            let mut next = i + 1;
+            if chunk[i] == b'\r' {
+                match chunk.get(next) {
+                    Some(b'\n') => next += 1,
+                    Some(_) => {}
+                    None => self.after_cr = true,
+                }
+            }
+            chunk = &chunk[next..];
+            if self.overflowed {
+                return;
+            }
+        }
+        self.line.extend_from_slice(chunk);
+        self.check_cap();
+    }
+
+    /// The stream ended. Per the standard an unfinished event is discarded;
+    /// it is returned here so a caller may still look at it.
+    pub fn finish(&mut self) -> Option<Event<'_>> {
+        if self.overflowed {
+            return None;
+        }
+        if !self.line.is_empty() {
+            let line = std::mem::take(&mut self.line);
+            self.line_done(&line, &mut |_| {});
+        }
+        if self.data.is_empty() {
+            return None;
+        }
+        self.data.pop();
+        Some(Event {
+            name: event_name(&self.name),
+            data: &self.data,
+        })
+    }
+
+    fn line_done(&mut self, line: &[u8], on_event: &mut dyn FnMut(Event<'_>)) {
+        if line.is_empty() {
+            if !self.data.is_empty() {
+                self.data.pop();
+                on_event(Event {
+                    name: event_name(&self.name),
+                    data: &self.data,
+                });
+            }
+            self.data.clear();
+            self.name.clear();
+            return;
+        }
+        if line[0] == b':' {
+            return;
+        }
+        let (field, value) = match memchr(b':', line) {
+            Some(c) => {
+                let v = &line[c + 1..];
+                (&line[..c], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &b""[..]),
+        };
+        match field {
+            b"data" => {
+                self.data.extend_from_slice(value);
+                self.data.push(b'\n');
+                self.check_cap();
+            }
+            b"event" => {
+                self.name.clear();
+                self.name.extend_from_slice(value);
+            }
+            _ => {}
+        }
+    }
+
+    fn check_cap(&mut self) {
+        if self.line.len() + self.data.len() > MAX_EVENT_BYTES {
+            self.overflowed = true;
+            self.line = Vec::new();
+            self.data = Vec::new();
+            self.name = Vec::new();
+        }
+    }
+}
+
+fn event_name(name: &[u8]) -> Option<&str> {
+    if name.is_empty() {
+        None
+    } else {
+        std::str::from_utf8(name).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(chunks: &[&[u8]]) -> Vec<(Option<String>, String)> {
+        let mut s = SseScanner::new();
+        let mut out = Vec::new();
+        for c in chunks {
+            s.feed(c, &mut |e| {
+                out.push((
+                    e.name.map(str::to_string),
+                    String::from_utf8_lossy(e.data).into_owned(),
+                ))
+            });
+        }
+        out
+    }
+
+    #[test]
+    fn line_endings_comments_and_fields() {
+        let text = b"\xEF\xBB\xBF: comment\r\ndata:a\r\ndata: b\r\n\r\nevent: x\rdata\r\rdata: c\n\nid: 3\nretry: 5\n\n";
+        let want = vec![
+            (None, "a\nb".to_string()),
+            (Some("x".to_string()), String::new()),
+            (None, "c".to_string()),
+        ];
+        assert_eq!(scan(&[text]), want);
+        for i in 0..=text.len() {
+            assert_eq!(scan(&[&text[..i], &text[i..]]), want, "split at {i}");
+        }
+        let bytes: Vec<&[u8]> = text.chunks(1).collect();
+        assert_eq!(scan(&bytes), want);
+    }
+
+    #[test]
+    fn an_empty_chunk_between_cr_and_lf_changes_nothing() {
+        assert_eq!(
+            scan(&[b"data: a\r", b"", b"\n\r\n"]),
+            vec![(None, "a".to_string())]
+        );
+    }
+
+    #[test]
+    fn bom_only_at_start_and_partial_bom_is_content() {
+        assert_eq!(scan(&[b"\xEF\xBBdata: x\n\n"]).len(), 0);
+        assert_eq!(
+            scan(&[b"\xEF", b"\xBB", b"\xBF", b"data: x\n\n"]),
+            vec![(None, "x".to_string())]
+        );
+    }
+
+    #[test]
+    fn cap_stops_reading() {
+        let mut s = SseScanner::new();
+        let big = vec![b'a'; MAX_EVENT_BYTES / 2];
+        let mut n = 0;
+        s.feed(b"data: ", &mut |_| n += 1);
+        for _ in 0..3 {
+            s.feed(&big, &mut |_| n += 1);
+        }
+        s.feed(b"\n\ndata: y\n\n", &mut |_| n += 1);
+        assert!(s.overflowed());
+        assert_eq!(n, 0);
+        assert!(s.line.capacity() == 0 && s.data.capacity() == 0);
+    }
+
+    #[test]
+    fn unfinished_event_is_offered_at_finish() {
+        let mut s = SseScanner::new();
+        s.feed(b"event: e\ndata: {\"a\":1}", &mut |_| panic!("not complete"));
+        let e = s.finish().expect("pending event");
+        assert_eq!(e.name, Some("e"));
+        assert_eq!(e.data, b"{\"a\":1}");
+    }
+}

@@ -1,9 +1,20 @@
-//! STUB: the tap-side reader: decode -> frame -> provider -> Observed.
-use crate::provider::{Framing, Observed, Provider};
+//! The tap-side reader: decompress a view of the response as it passes,
+//! frame it (SSE, NDJSON or one JSON document) and let the provider read the
+//! few events that can carry usage. It never touches what the client gets.
 
-pub struct UsageReader {
-    observed: Observed,
-}
+use std::io::Write;
+
+use serde_json::Value;
+
+use crate::provider::{Framing, Observed, Provider};
+use crate::sse::{Event, SseScanner, MAX_EVENT_BYTES};
+
+/// Largest non-stream body copied for parsing at the end.
+pub const MAX_JSON_BYTES: usize = 8 << 20;
+
+/// Most decoded bytes looked at per response; beyond it (a decompression
+/// bomb, or an endless stream) reading stops.
+pub const MAX_DECODED_BYTES: u64 = 1 << 30;
 
 /// What a finished reader knows.
 #[derive(Debug, Clone, Default)]
@@ -13,21 +24,336 @@ pub struct ReadOutcome {
     pub parse_errors: u32,
 }
 
+/// Watches one response body go by.
+pub struct UsageReader {
+    decode: Decode,
+}
+
+/// The content decoder in front of the framing sink.
+enum Decode {
+    Identity(Sink),
+    Gzip(Box<flate2::write::MultiGzDecoder<Sink>>),
+    /// HTTP `deflate` before its first two bytes tell zlib from raw deflate.
+    DeflateSniff(Vec<u8>, Sink),
+    Zlib(Box<flate2::write::ZlibDecoder<Sink>>),
+    RawDeflate(Box<flate2::write::DeflateDecoder<Sink>>),
+    Brotli(Box<brotli_decompressor::DecompressorWriter<Sink>>),
+    Zstd(Box<zstd::stream::write::Decoder<'static, Sink>>),
+    /// An encoding tidemark cannot read: the body is forwarded, usage unknown.
+    Unreadable(Sink),
+}
+
+/// Decoded bytes land here: framing, provider, accumulated observation.
+struct Sink {
+    p: &'static dyn Provider,
+    frame: Frame,
+    observed: Observed,
+    parse_errors: u32,
+    decoded: u64,
+    /// Reading stopped (cap hit or undecodable); forwarding is unaffected.
+    stopped: bool,
+}
+
+enum Frame {
+    Sse(SseScanner),
+    /// NDJSON: the unfinished line.
+    Lines(Vec<u8>),
+    /// One JSON document, copied up to [`MAX_JSON_BYTES`].
+    Json(Vec<u8>),
+}
+
 impl UsageReader {
-    pub fn new(
-        _p: &'static dyn Provider,
-        _framing: Framing,
-        _content_encoding: Option<&str>,
-    ) -> Self {
-        UsageReader {
+    pub fn new(p: &'static dyn Provider, framing: Framing, content_encoding: Option<&str>) -> Self {
+        let sink = Sink {
+            p,
+            frame: match framing {
+                Framing::Sse => Frame::Sse(SseScanner::new()),
+                Framing::Ndjson => Frame::Lines(Vec::new()),
+                Framing::Json => Frame::Json(Vec::new()),
+            },
             observed: Observed::default(),
+            parse_errors: 0,
+            decoded: 0,
+            stopped: false,
+        };
+        let enc = content_encoding
+            .map(|e| e.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        let decode = match enc.as_str() {
+            "" | "identity" => Decode::Identity(sink),
+            "gzip" | "x-gzip" => Decode::Gzip(Box::new(flate2::write::MultiGzDecoder::new(sink))),
+            "deflate" => Decode::DeflateSniff(Vec::new(), sink),
+            "br" => Decode::Brotli(Box::new(brotli_decompressor::DecompressorWriter::new(
+                sink, 8192,
+            ))),
+            "zstd" => match zstd::stream::write::Decoder::new(sink) {
+                Ok(d) => Decode::Zstd(Box::new(d)),
+                Err(_) => Decode::Unreadable(unreadable_sink(p)),
+            },
+            _ => Decode::Unreadable(unreadable_sink(p)),
+        };
+        UsageReader { decode }
+    }
+
+    /// Look at the next body chunk, exactly as the client receives it.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if chunk.is_empty() || self.sink().stopped {
+            return;
+        }
+        let ok = match &mut self.decode {
+            Decode::Identity(s) => {
+                s.take(chunk);
+                true
+            }
+            Decode::Gzip(d) => d.write_all(chunk).is_ok(),
+            Decode::Brotli(d) => d.write_all(chunk).is_ok(),
+            Decode::Zstd(d) => d.write_all(chunk).is_ok(),
+            Decode::Zlib(d) => d.write_all(chunk).is_ok(),
+            Decode::RawDeflate(d) => d.write_all(chunk).is_ok(),
+            Decode::DeflateSniff(head, _) => {
+                head.extend_from_slice(chunk);
+                head.len() < 2 || self.sniffed()
+            }
+            Decode::Unreadable(_) => true,
+        };
+        if !ok {
+            self.sink_mut().stop();
         }
     }
-    pub fn feed(&mut self, _chunk: &[u8]) {}
+
+    /// The body ended (or was cut): flush the decoder, parse what is pending.
     pub fn finish(&mut self) -> ReadOutcome {
-        ReadOutcome {
-            observed: self.observed.clone(),
-            parse_errors: 0,
+        if !self.sink().stopped {
+            let ok = match &mut self.decode {
+                Decode::Identity(_) | Decode::Unreadable(_) => true,
+                Decode::Gzip(d) => d.try_finish().is_ok(),
+                Decode::Brotli(d) => d.flush().is_ok(),
+                Decode::Zstd(d) => d.flush().is_ok(),
+                Decode::Zlib(d) => d.try_finish().is_ok(),
+                Decode::RawDeflate(d) => d.try_finish().is_ok(),
+                Decode::DeflateSniff(head, _) => head.is_empty(),
+            };
+            // A body cut mid-stream fails to flush; what was read still counts.
+            let _ = ok;
+            self.sink_mut().finish();
         }
+        let s = self.sink_mut();
+        let out = ReadOutcome {
+            observed: s.observed.clone(),
+            parse_errors: s.parse_errors,
+        };
+        s.stopped = true;
+        out
+    }
+
+    fn sink(&self) -> &Sink {
+        match &self.decode {
+            Decode::Identity(s) | Decode::Unreadable(s) => s,
+            Decode::Gzip(d) => d.get_ref(),
+            Decode::Brotli(d) => d.get_ref(),
+            Decode::Zstd(d) => d.get_ref(),
+            Decode::Zlib(d) => d.get_ref(),
+            Decode::RawDeflate(d) => d.get_ref(),
+            Decode::DeflateSniff(_, s) => s,
+        }
+    }
+
+    fn sink_mut(&mut self) -> &mut Sink {
+        match &mut self.decode {
+            Decode::Identity(s) | Decode::Unreadable(s) => s,
+            Decode::Gzip(d) => d.get_mut(),
+            Decode::Brotli(d) => d.get_mut(),
+            Decode::Zstd(d) => d.get_mut(),
+            Decode::Zlib(d) => d.get_mut(),
+            Decode::RawDeflate(d) => d.get_mut(),
+            Decode::DeflateSniff(_, s) => s,
+        }
+    }
+
+    /// Two bytes of a `deflate` body are in: pick zlib or raw and replay them.
+    fn sniffed(&mut self) -> bool {
+        let p = self.sink().p;
+        let Decode::DeflateSniff(head, sink) =
+            std::mem::replace(&mut self.decode, Decode::Unreadable(unreadable_sink(p)))
+        else {
+            return false;
+        };
+        // RFC 1950: CM = 8 and the header checksum holds.
+        let zlib = head[0] & 0x0f == 8 && (u16::from(head[0]) << 8 | u16::from(head[1])) % 31 == 0;
+        if zlib {
+            let mut d = Box::new(flate2::write::ZlibDecoder::new(sink));
+            let ok = d.write_all(&head).is_ok();
+            self.decode = Decode::Zlib(d);
+            ok
+        } else {
+            let mut d = Box::new(flate2::write::DeflateDecoder::new(sink));
+            let ok = d.write_all(&head).is_ok();
+            self.decode = Decode::RawDeflate(d);
+            ok
+        }
+    }
+}
+
+fn unreadable_sink(p: &'static dyn Provider) -> Sink {
+    Sink {
+        p,
+        frame: Frame::Json(Vec::new()),
+        observed: Observed::default(),
+        parse_errors: 1,
+        decoded: 0,
+        stopped: true,
+    }
+}
+
+impl Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.take(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Sink {
+    fn stop(&mut self) {
+        if !self.stopped {
+            self.stopped = true;
+            self.parse_errors += 1;
+            self.frame = Frame::Json(Vec::new());
+        }
+    }
+
+    /// Decoded bytes in.
+    fn take(&mut self, buf: &[u8]) {
+        if self.stopped {
+            return;
+        }
+        self.decoded += buf.len() as u64;
+        if self.decoded > MAX_DECODED_BYTES {
+            self.stop();
+            return;
+        }
+        let p = self.p;
+        let observed = &mut self.observed;
+        let errors = &mut self.parse_errors;
+        let over = match &mut self.frame {
+            Frame::Sse(sc) => {
+                sc.feed(buf, &mut |e: Event<'_>| {
+                    event(p, e.name, e.data, observed, errors, true)
+                });
+                sc.overflowed()
+            }
+            Frame::Lines(line) => feed_lines(p, line, buf, observed, errors),
+            Frame::Json(copy) => {
+                if copy.len() + buf.len() > MAX_JSON_BYTES {
+                    true
+                } else {
+                    copy.extend_from_slice(buf);
+                    false
+                }
+            }
+        };
+        if over {
+            self.stop();
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.stopped {
+            return;
+        }
+        let p = self.p;
+        let observed = &mut self.observed;
+        let errors = &mut self.parse_errors;
+        match &mut self.frame {
+            Frame::Sse(sc) => {
+                // An event the stream did not close: read it if it is whole JSON,
+                // but a cut-off one is no parse error.
+                if let Some(e) = sc.finish() {
+                    let mut ignored = 0;
+                    event(p, e.name, e.data, observed, &mut ignored, false);
+                }
+            }
+            Frame::Lines(line) => {
+                let line = std::mem::take(line);
+                let mut ignored = 0;
+                ndjson_line(p, &line, observed, &mut ignored);
+            }
+            Frame::Json(copy) => {
+                let body = std::mem::take(copy);
+                json_document(p, &body, observed, errors);
+            }
+        }
+    }
+}
+
+/// One SSE event: cheap check, then parse, then the provider.
+fn event(
+    p: &'static dyn Provider,
+    name: Option<&str>,
+    data: &[u8],
+    acc: &mut Observed,
+    errors: &mut u32,
+    complete: bool,
+) {
+    if data == b"[DONE]" || !p.may_carry_usage(name, data) {
+        return;
+    }
+    match serde_json::from_slice::<Value>(data) {
+        Ok(v) => p.observe(name, &v, acc),
+        Err(_) if complete => *errors += 1,
+        Err(_) => {}
+    }
+}
+
+/// Complete NDJSON lines out of `buf`, the unfinished one kept in `line`.
+/// Returns true when the kept line outgrew the cap.
+fn feed_lines(
+    p: &'static dyn Provider,
+    line: &mut Vec<u8>,
+    mut buf: &[u8],
+    acc: &mut Observed,
+    errors: &mut u32,
+) -> bool {
+    while let Some(i) = memchr::memchr(b'\n', buf) {
+        if line.is_empty() {
+            ndjson_line(p, &buf[..i], acc, errors);
+        } else {
+            line.extend_from_slice(&buf[..i]);
+            ndjson_line(p, line, acc, errors);
+            line.clear();
+        }
+        buf = &buf[i + 1..];
+    }
+    if line.len() + buf.len() > MAX_EVENT_BYTES {
+        *line = Vec::new();
+        return true;
+    }
+    line.extend_from_slice(buf);
+    false
+}
+
+fn ndjson_line(p: &'static dyn Provider, line: &[u8], acc: &mut Observed, errors: &mut u32) {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    if line.iter().all(u8::is_ascii_whitespace) || !p.may_carry_usage(None, line) {
+        return;
+    }
+    match serde_json::from_slice::<Value>(line) {
+        Ok(v) => p.observe(None, &v, acc),
+        Err(_) => *errors += 1,
+    }
+}
+
+/// A whole JSON body; a top-level array (Gemini's stream without `alt=sse`)
+/// is read element by element.
+fn json_document(p: &'static dyn Provider, body: &[u8], acc: &mut Observed, errors: &mut u32) {
+    if body.iter().all(u8::is_ascii_whitespace) || !p.may_carry_usage(None, body) {
+        return;
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Array(items)) => items.iter().for_each(|v| p.observe(None, v, acc)),
+        Ok(v) => p.observe(None, &v, acc),
+        Err(_) => *errors += 1,
     }
 }

@@ -1,6 +1,178 @@
-//! STUB: context window table.
+//! Context window sizes: `--context-window PATTERN=N` rules first, then a
+//! built-in table of published windows (tests/fixtures/README.md §8).
 use crate::config::WindowRule;
 
-pub fn window_for(_rules: &[WindowRule], _model: &str) -> Option<u64> {
-    None
+/// Published windows, most specific pattern first; the first match wins.
+/// Patterns are lower-case globs where `*` matches any run of characters;
+/// model names are compared lower-cased, and a provider prefix such as
+/// `models/` (Gemini) or `openai/` (routers) is ignored.
+///
+/// Where a family has a long-context beta (Claude 1M), the table holds the
+/// default window; `--context-window` overrides it.
+const BUILTIN: &[(&str, u64)] = &[
+    // OpenAI
+    ("gpt-4o-2024-05-13*", 128_000),
+    ("gpt-4o*", 128_000),
+    ("chatgpt-4o*", 128_000),
+    ("gpt-4.1*", 1_047_576),
+    ("gpt-4-turbo*", 128_000),
+    ("gpt-4-32k*", 32_768),
+    ("gpt-4", 8_192),
+    ("gpt-4-0*", 8_192),
+    ("gpt-3.5-turbo*", 16_385),
+    ("gpt-5*", 400_000),
+    ("o1-mini*", 128_000),
+    ("o1*", 200_000),
+    ("o3*", 200_000),
+    ("o4-mini*", 200_000),
+    ("gpt-oss*", 131_072),
+    // Anthropic: 200K by default (1M only behind a beta header), except the
+    // models published with 1M as their window.
+    ("claude-sonnet-4-6*", 1_000_000),
+    ("claude-opus-4-6*", 1_000_000),
+    ("claude-*", 200_000),
+    // Google
+    ("gemini-1.5-pro*", 2_097_152),
+    ("gemini-1.5*", 1_048_576),
+    ("gemini-2*", 1_048_576),
+    ("gemini-3*", 1_048_576),
+    ("gemma-3*", 131_072),
+    ("gemma-2*", 8_192),
+    // Open models, as named by Ollama and most OpenAI-compatible servers.
+    ("llama3.1*", 131_072),
+    ("llama-3.1*", 131_072),
+    ("llama3.2*", 131_072),
+    ("llama-3.2*", 131_072),
+    ("llama3.3*", 131_072),
+    ("llama-3.3*", 131_072),
+    ("llama3*", 8_192),
+    ("llama-3*", 8_192),
+    ("qwen2.5*", 32_768),
+    ("qwen3*", 40_960),
+    ("mistral-large*", 131_072),
+    ("mistral-nemo*", 131_072),
+    ("mistral*", 32_768),
+    ("mixtral*", 32_768),
+    ("deepseek-r1*", 131_072),
+    ("deepseek-v3*", 131_072),
+    ("deepseek-chat*", 131_072),
+    ("phi3*", 131_072),
+    ("phi4*", 16_384),
+];
+
+/// The context window of `model`: the first matching user rule, else the
+/// built-in table, else unknown.
+pub fn window_for(rules: &[WindowRule], model: &str) -> Option<u64> {
+    if let Some(r) = rules.iter().find(|r| glob_match(&r.glob, model)) {
+        return Some(r.tokens);
+    }
+    let lower = model.trim().to_ascii_lowercase();
+    let name = strip_prefix(&lower);
+    BUILTIN
+        .iter()
+        .find(|(g, _)| glob_match(g, name))
+        .map(|(_, n)| *n)
+}
+
+/// `models/gemini-2.5-pro` -> `gemini-2.5-pro`; `openai/gpt-4o` -> `gpt-4o`.
+fn strip_prefix(model: &str) -> &str {
+    match model.rfind('/') {
+        Some(i) => &model[i + 1..],
+        None => model,
+    }
+}
+
+/// Whole-string glob match where `*` matches any run (possibly empty) of
+/// characters and everything else matches itself.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let p = pattern.as_bytes();
+    let t = text.as_bytes();
+    let (mut pi, mut ti) = (0usize, 0usize);
+    // Where the last `*` was and which text position it is trying to cover.
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == t[ti] {
+            pi += 1;
+            ti += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(glob: &str, tokens: u64) -> WindowRule {
+        WindowRule {
+            glob: glob.to_string(),
+            tokens,
+        }
+    }
+
+    #[test]
+    fn glob() {
+        assert!(glob_match("*", ""));
+        assert!(glob_match("*", "anything"));
+        assert!(glob_match("gpt-4o*", "gpt-4o"));
+        assert!(glob_match("gpt-4o*", "gpt-4o-mini"));
+        assert!(!glob_match("gpt-4o*", "gpt-4"));
+        assert!(glob_match("claude-*-4*", "claude-sonnet-4-5"));
+        assert!(!glob_match("claude-*-4*", "claude-3-opus"));
+        assert!(glob_match("a*b*c", "aXXbYYc"));
+        assert!(!glob_match("a*b*c", "aXXbYYcd"));
+        assert!(glob_match("exact", "exact"));
+        assert!(!glob_match("exact", "exactly"));
+        assert!(glob_match("*mini", "o4-mini"));
+    }
+
+    #[test]
+    fn builtin_table() {
+        let none: &[WindowRule] = &[];
+        assert_eq!(window_for(none, "gpt-4o"), Some(128_000));
+        assert_eq!(window_for(none, "gpt-4o-2024-08-06"), Some(128_000));
+        assert_eq!(window_for(none, "gpt-4o-mini"), Some(128_000));
+        assert_eq!(window_for(none, "gpt-4.1"), Some(1_047_576));
+        assert_eq!(window_for(none, "gpt-4.1-mini"), Some(1_047_576));
+        assert_eq!(window_for(none, "gpt-5"), Some(400_000));
+        assert_eq!(window_for(none, "gpt-5-mini"), Some(400_000));
+        assert_eq!(window_for(none, "o3"), Some(200_000));
+        assert_eq!(window_for(none, "o4-mini"), Some(200_000));
+        assert_eq!(
+            window_for(none, "claude-sonnet-4-5-20250929"),
+            Some(200_000)
+        );
+        assert_eq!(window_for(none, "claude-3-5-haiku-latest"), Some(200_000));
+        assert_eq!(window_for(none, "claude-opus-4-6"), Some(1_000_000));
+        assert_eq!(window_for(none, "gemini-2.5-pro"), Some(1_048_576));
+        assert_eq!(window_for(none, "models/gemini-2.0-flash"), Some(1_048_576));
+        assert_eq!(window_for(none, "gemini-1.5-flash"), Some(1_048_576));
+        assert_eq!(window_for(none, "llama3.1:8b"), Some(131_072));
+        assert_eq!(window_for(none, "llama3:8b"), Some(8_192));
+        assert_eq!(window_for(none, "GPT-4o"), Some(128_000));
+        assert_eq!(window_for(none, "openai/gpt-4o"), Some(128_000));
+        assert_eq!(window_for(none, "some-private-model"), None);
+        assert_eq!(window_for(none, ""), None);
+    }
+
+    #[test]
+    fn user_rules_win_in_order() {
+        let rules = [rule("claude-*", 1_000_000), rule("*", 32_000)];
+        assert_eq!(window_for(&rules, "claude-sonnet-4-5"), Some(1_000_000));
+        assert_eq!(window_for(&rules, "gpt-4o"), Some(32_000));
+        assert_eq!(window_for(&rules, "my-model"), Some(32_000));
+        let rules = [rule("my-model", 65_536)];
+        assert_eq!(window_for(&rules, "my-model"), Some(65_536));
+        assert_eq!(window_for(&rules, "my-model-2"), None);
+        assert_eq!(window_for(&rules, "gpt-4o"), Some(128_000));
+    }
 }

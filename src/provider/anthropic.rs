@@ -1,8 +1,11 @@
-//! STUB: to be completed.
+//! Anthropic Messages (`/messages`): input and cache counts in
+//! `message_start`, cumulative replacements in `message_delta`.
 
 use serde_json::Value;
 
-use super::{Api, CountedField, ErrorShape, Observed, Provider};
+use super::{
+    count, has_member, session_budget_message, Api, CountedField, ErrorShape, Observed, Provider,
+};
 use crate::inspect::RequestView;
 
 pub struct Anthropic;
@@ -21,20 +24,120 @@ impl Provider for Anthropic {
         req.get::<bool>("stream").unwrap_or(false)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[CountedField {
-            name: "messages",
-            per_element: true,
-        }]
+        &[
+            CountedField {
+                name: "system",
+                per_element: false,
+            },
+            CountedField {
+                name: "tools",
+                per_element: false,
+            },
+            CountedField {
+                name: "messages",
+                per_element: true,
+            },
+        ]
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")
     }
-    fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        memchr::memmem::find(data, b"usage").is_some()
+    fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool {
+        match event {
+            Some(e) => matches!(e, "message_start" | "message_delta" | "error"),
+            // No event names (a non-stream body, or a proxy that dropped them).
+            None => has_member(data, b"\"usage\"") || has_member(data, b"\"error\""),
+        }
     }
-    fn observe(&self, _event: Option<&str>, _json: &Value, _acc: &mut Observed) {}
-    fn error_body(&self, _shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"error": {"message": message, "type": "api_error", "param": null, "code": kind}}))
-            .unwrap_or_default()
+    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+        let usage = match json.get("type").and_then(Value::as_str) {
+            Some("message_start") => json.get("message").and_then(|m| m.get("usage")),
+            Some("message_delta") | Some("message") => json.get("usage"),
+            Some("error") => {
+                acc.stream_error = true;
+                None
+            }
+            _ => None,
+        };
+        let Some(u) = usage.filter(|u| u.is_object()) else {
+            return;
+        };
+        // Cumulative: a value present replaces the earlier one, an absent one keeps it.
+        let a = &mut acc.usage;
+        a.input = count(u, "input_tokens").or(a.input);
+        a.cache_creation = count(u, "cache_creation_input_tokens").or(a.cache_creation);
+        a.cached_input = count(u, "cache_read_input_tokens").or(a.cached_input);
+        a.output = count(u, "output_tokens").or(a.output);
+        a.total_context = a
+            .input
+            .map(|i| i + a.cache_creation.unwrap_or(0) + a.cached_input.unwrap_or(0));
+    }
+    fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
+        let (typ, msg) = match shape {
+            ErrorShape::ContextLength { projected, window } => (
+                "invalid_request_error",
+                format!("prompt is too long: {projected} tokens > {window} maximum"),
+            ),
+            ErrorShape::SessionBudget { spent, budget } => (
+                "invalid_request_error",
+                session_budget_message(spent, budget, message),
+            ),
+            ErrorShape::Generic { status } => (
+                match status {
+                    401 => "authentication_error",
+                    403 => "permission_error",
+                    404 => "not_found_error",
+                    413 => "request_too_large",
+                    429 => "rate_limit_error",
+                    400..=499 => "invalid_request_error",
+                    504 => "timeout_error",
+                    _ => "api_error",
+                },
+                format!("{message} ({kind})"),
+            ),
+        };
+        serde_json::to_vec(&serde_json::json!({
+            "type": "error",
+            "error": {"type": typ, "message": msg}
+        }))
+        .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_shapes() {
+        let b = Anthropic.error_body(
+            ErrorShape::ContextLength {
+                projected: 211180,
+                window: 200000,
+            },
+            "context-budget",
+            "",
+        );
+        assert_eq!(
+            std::str::from_utf8(&b).unwrap(),
+            r#"{"error":{"message":"prompt is too long: 211180 tokens > 200000 maximum","type":"invalid_request_error"},"type":"error"}"#
+        );
+        let v: Value = serde_json::from_slice(&Anthropic.error_body(
+            ErrorShape::SessionBudget { spent: 9, budget: 8 },
+            "session-budget",
+            "over",
+        ))
+        .unwrap();
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("session_budget_exceeded:"));
+        let v: Value = serde_json::from_slice(&Anthropic.error_body(
+            ErrorShape::Generic { status: 413 },
+            "body-too-large",
+            "too big",
+        ))
+        .unwrap();
+        assert_eq!(v["error"]["type"], "request_too_large");
     }
 }

@@ -1,8 +1,9 @@
-//! STUB: to be completed.
+//! Google Gemini (`:generateContent`, `:streamGenerateContent`): cumulative
+//! `usageMetadata` on every chunk; the model is named in the path.
 
 use serde_json::Value;
 
-use super::{Api, CountedField, ErrorShape, Observed, Provider};
+use super::{count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Usage};
 use crate::inspect::RequestView;
 
 pub struct Gemini;
@@ -12,29 +13,130 @@ impl Provider for Gemini {
         Api::Gemini
     }
     fn matches_path(&self, path: &str) -> bool {
-        path.ends_with("GenerateContent")
+        path.ends_with(":generateContent") || path.ends_with(":streamGenerateContent")
     }
-    fn model(&self, _path: &str, req: &RequestView<'_>) -> Option<String> {
-        req.str("model").map(|s| s.into_owned())
+    fn model(&self, path: &str, req: &RequestView<'_>) -> Option<String> {
+        // `/v1beta/models/{model}:generateContent`, or a Vertex path ending the same way.
+        let tail = &path[path.rfind("/models/")? + "/models/".len()..];
+        let model = tail.split(':').next().unwrap_or(tail);
+        if model.is_empty() {
+            req.str("model").map(|s| s.into_owned())
+        } else {
+            Some(model.to_string())
+        }
     }
-    fn is_stream(&self, _path: &str, _query: Option<&str>, req: &RequestView<'_>) -> bool {
-        req.get::<bool>("stream").unwrap_or(false)
+    fn is_stream(&self, path: &str, _query: Option<&str>, _req: &RequestView<'_>) -> bool {
+        path.ends_with(":streamGenerateContent")
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[CountedField {
-            name: "messages",
-            per_element: true,
-        }]
+        &[
+            CountedField {
+                name: "systemInstruction",
+                per_element: false,
+            },
+            CountedField {
+                name: "tools",
+                per_element: false,
+            },
+            CountedField {
+                name: "contents",
+                per_element: true,
+            },
+        ]
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
-        req.get("max_tokens")
+        let cfg: Value = req.get("generationConfig")?;
+        count(&cfg, "maxOutputTokens")
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        memchr::memmem::find(data, b"usage").is_some()
+        has_member(data, b"\"usageMetadata\"") || has_member(data, b"\"error\"")
     }
-    fn observe(&self, _event: Option<&str>, _json: &Value, _acc: &mut Observed) {}
-    fn error_body(&self, _shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"error": {"message": message, "type": "api_error", "param": null, "code": kind}}))
-            .unwrap_or_default()
+    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+        if json.get("error").is_some_and(|e| !e.is_null()) {
+            acc.stream_error = true;
+        }
+        let Some(u) = json.get("usageMetadata").filter(|u| u.is_object()) else {
+            return;
+        };
+        // proto3 JSON leaves zero counts out: within usageMetadata absent means 0.
+        let prompt = count(u, "promptTokenCount");
+        let candidates = count(u, "candidatesTokenCount");
+        let thoughts = count(u, "thoughtsTokenCount");
+        let output = match (candidates, thoughts) {
+            (None, None) => None,
+            (c, t) => Some(c.unwrap_or(0) + t.unwrap_or(0)),
+        };
+        acc.usage = Usage {
+            input: prompt,
+            cached_input: Some(count(u, "cachedContentTokenCount").unwrap_or(0)),
+            cache_creation: Some(0),
+            output,
+            total_context: prompt.map(|p| p + count(u, "toolUsePromptTokenCount").unwrap_or(0)),
+        };
+    }
+    fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
+        let (code, status, msg) = match shape {
+            ErrorShape::ContextLength { projected, window } => (
+                400,
+                "INVALID_ARGUMENT",
+                format!("The input token count ({projected}) exceeds the maximum number of tokens allowed ({window})."),
+            ),
+            ErrorShape::SessionBudget { spent, budget } => (
+                400,
+                "INVALID_ARGUMENT",
+                super::session_budget_message(spent, budget, message),
+            ),
+            ErrorShape::Generic { status } => (
+                status,
+                match status {
+                    400 => "INVALID_ARGUMENT",
+                    413 => "INVALID_ARGUMENT",
+                    429 => "RESOURCE_EXHAUSTED",
+                    504 => "DEADLINE_EXCEEDED",
+                    502 | 503 => "UNAVAILABLE",
+                    400..=499 => "FAILED_PRECONDITION",
+                    _ => "INTERNAL",
+                },
+                format!("{message} ({kind})"),
+            ),
+        };
+        serde_json::to_vec(&serde_json::json!({
+            "error": {"code": code, "message": msg, "status": status}
+        }))
+        .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_and_stream_from_path() {
+        let v = RequestView::parse(b"{}").unwrap();
+        let p = "/v1beta/models/gemini-2.5-flash:streamGenerateContent";
+        assert!(Gemini.matches_path(p));
+        assert_eq!(Gemini.model(p, &v).as_deref(), Some("gemini-2.5-flash"));
+        assert!(Gemini.is_stream(p, Some("alt=sse"), &v));
+        let p = "/v1/projects/x/locations/us/publishers/google/models/gemini-2.5-pro:generateContent";
+        assert_eq!(Gemini.model(p, &v).as_deref(), Some("gemini-2.5-pro"));
+        assert!(!Gemini.is_stream(p, None, &v));
+        let v = RequestView::parse(br#"{"generationConfig":{"maxOutputTokens":512}}"#).unwrap();
+        assert_eq!(Gemini.max_output_tokens(&v), Some(512));
+    }
+
+    #[test]
+    fn context_error_shape() {
+        let v: Value = serde_json::from_slice(&Gemini.error_body(
+            ErrorShape::ContextLength {
+                projected: 5,
+                window: 4,
+            },
+            "context-budget",
+            "",
+        ))
+        .unwrap();
+        assert_eq!(v["error"]["code"], 400);
+        assert_eq!(v["error"]["status"], "INVALID_ARGUMENT");
     }
 }

@@ -175,3 +175,92 @@ pub trait Provider: Send + Sync + 'static {
     /// `kind` is the `x-tidemark-error` value.
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
 }
+
+// ---- helpers the provider files share ----------------------------------
+
+/// A token count member; `None` when absent or not a non-negative integer.
+pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
+    v.get(key)?.as_u64()
+}
+
+/// Cheap byte check before any parse: does `data` hold the member `key`
+/// (quotes included, e.g. `b"\"usage\""`) with a value other than `null`?
+/// False positives only cost a parse; a truncated value counts as present.
+pub(crate) fn has_member(data: &[u8], key: &[u8]) -> bool {
+    let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+    memchr::memmem::find_iter(data, key).any(|at| {
+        let rest = &data[at + key.len()..];
+        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
+        let Some(rest) = rest.strip_prefix(b":") else {
+            return false;
+        };
+        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
+        !rest.starts_with(b"null")
+    })
+}
+
+/// Whether a JSON value is set to something (not absent, null, false or "").
+pub(crate) fn truthy(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(_) => true,
+    }
+}
+
+/// The OpenAI error object (chat completions, Responses), all four keys present.
+pub(crate) fn openai_error_body(shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
+    let (msg, typ, param, code): (String, &str, Value, Value) = match shape {
+        ErrorShape::ContextLength { projected, window } => (
+            format!(
+                "This model's maximum context length is {window} tokens. However, your messages resulted in {projected} tokens. Please reduce the length of the messages."
+            ),
+            "invalid_request_error",
+            Value::from("messages"),
+            Value::from("context_length_exceeded"),
+        ),
+        ErrorShape::SessionBudget { spent, budget } => (
+            session_budget_message(spent, budget, message),
+            "invalid_request_error",
+            Value::Null,
+            Value::from("session_budget_exceeded"),
+        ),
+        ErrorShape::Generic { status } => (
+            message.to_string(),
+            match status {
+                400..=499 => "invalid_request_error",
+                _ => "server_error",
+            },
+            Value::Null,
+            Value::from(kind.replace('-', "_")),
+        ),
+    };
+    serde_json::to_vec(&serde_json::json!({
+        "error": {"message": msg, "type": typ, "param": param, "code": code}
+    }))
+    .unwrap_or_default()
+}
+
+/// A session budget message that always opens with `session_budget_exceeded:`.
+pub(crate) fn session_budget_message(spent: u64, budget: u64, message: &str) -> String {
+    if message.starts_with("session_budget_exceeded:") {
+        message.to_string()
+    } else {
+        format!("session_budget_exceeded: this session spent {spent} tokens of its {budget}-token budget")
+    }
+}
+
+#[cfg(test)]
+mod helper_tests {
+    use super::*;
+
+    #[test]
+    fn has_member_skips_null() {
+        assert!(has_member(br#"{"usage": {"a":1}}"#, b"\"usage\""));
+        assert!(has_member(br#"{"usage":null,"x":{"usage" :{}}}"#, b"\"usage\""));
+        assert!(!has_member(br#"{"usage":null}"#, b"\"usage\""));
+        assert!(!has_member(br#"{"text":"usage"}"#, b"\"usage\""));
+        assert!(!has_member(br#"{"text":"\"usage\" is"}"#, b"\"usage\""));
+        assert!(has_member(br#"{"usage":"#, b"\"usage\""));
+    }
+}

@@ -1,8 +1,8 @@
-//! STUB: to be completed.
+//! Ollama native chat (`/api/chat`): NDJSON, usage on the `done` line.
 
 use serde_json::Value;
 
-use super::{Api, CountedField, ErrorShape, Observed, Provider};
+use super::{count, has_member, truthy, Api, CountedField, ErrorShape, Observed, Provider, Usage};
 use crate::inspect::RequestView;
 
 pub struct Ollama;
@@ -18,23 +18,56 @@ impl Provider for Ollama {
         req.str("model").map(|s| s.into_owned())
     }
     fn is_stream(&self, _path: &str, _query: Option<&str>, req: &RequestView<'_>) -> bool {
-        req.get::<bool>("stream").unwrap_or(false)
+        // Ollama streams unless told not to.
+        req.get::<bool>("stream").unwrap_or(true)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[CountedField {
-            name: "messages",
-            per_element: true,
-        }]
+        &[
+            CountedField {
+                name: "tools",
+                per_element: false,
+            },
+            CountedField {
+                name: "messages",
+                per_element: true,
+            },
+        ]
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
-        req.get("max_tokens")
+        // num_predict: -1 (and -2) mean "no limit".
+        let options: Value = req.get("options")?;
+        count(&options, "num_predict")
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        memchr::memmem::find(data, b"usage").is_some()
+        memchr::memmem::find(data, b"eval_count").is_some() || has_member(data, b"\"error\"")
     }
-    fn observe(&self, _event: Option<&str>, _json: &Value, _acc: &mut Observed) {}
-    fn error_body(&self, _shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"error": {"message": message, "type": "api_error", "param": null, "code": kind}}))
-            .unwrap_or_default()
+    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+        if truthy(json.get("error")) {
+            acc.stream_error = true;
+        }
+        if json.get("done").and_then(Value::as_bool) != Some(true) {
+            return;
+        }
+        // prompt_eval_count is omitempty: absent is unknown, not 0.
+        let input = count(json, "prompt_eval_count");
+        acc.usage = Usage {
+            input,
+            cached_input: None,
+            cache_creation: Some(0),
+            output: count(json, "eval_count"),
+            total_context: input,
+        };
+    }
+    fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
+        let msg = match shape {
+            ErrorShape::ContextLength { projected, window } => format!(
+                "prompt is too long: {projected} tokens exceed the {window}-token context window ({kind})"
+            ),
+            ErrorShape::SessionBudget { spent, budget } => {
+                super::session_budget_message(spent, budget, message)
+            }
+            ErrorShape::Generic { .. } => format!("{message} ({kind})"),
+        };
+        serde_json::to_vec(&serde_json::json!({ "error": msg })).unwrap_or_default()
     }
 }

@@ -1,8 +1,12 @@
-//! STUB: to be completed.
+//! OpenAI chat completions (`/chat/completions`), and every server that speaks
+//! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
 use serde_json::Value;
 
-use super::{Api, CountedField, ErrorShape, Observed, Provider};
+use super::{
+    count, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape, Observed,
+    Provider, Usage,
+};
 use crate::inspect::RequestView;
 
 pub struct OpenAiChat;
@@ -21,20 +25,89 @@ impl Provider for OpenAiChat {
         req.get::<bool>("stream").unwrap_or(false)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[CountedField {
-            name: "messages",
-            per_element: true,
-        }]
+        &[
+            CountedField {
+                name: "tools",
+                per_element: false,
+            },
+            CountedField {
+                name: "functions",
+                per_element: false,
+            },
+            CountedField {
+                name: "messages",
+                per_element: true,
+            },
+        ]
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
-        req.get("max_tokens")
+        req.get("max_completion_tokens")
+            .or_else(|| req.get("max_tokens"))
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        memchr::memmem::find(data, b"usage").is_some()
+        // With injection every chunk carries `"usage":null`: only a real object counts.
+        has_member(data, b"\"usage\"") || has_member(data, b"\"error\"")
     }
-    fn observe(&self, _event: Option<&str>, _json: &Value, _acc: &mut Observed) {}
-    fn error_body(&self, _shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"error": {"message": message, "type": "api_error", "param": null, "code": kind}}))
-            .unwrap_or_default()
+    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+        if truthy(json.get("error")) {
+            acc.stream_error = true;
+        }
+        if let Some(u) = json.get("usage").filter(|u| u.is_object()) {
+            acc.usage = usage(u);
+        }
+    }
+    fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
+        openai_error_body(shape, kind, message)
+    }
+}
+
+/// `CompletionUsage`: `prompt_tokens` already includes the cached part.
+fn usage(u: &Value) -> Usage {
+    let details = u.get("prompt_tokens_details");
+    let input = count(u, "prompt_tokens");
+    Usage {
+        input,
+        cached_input: details.and_then(|d| count(d, "cached_tokens")),
+        cache_creation: Some(details.and_then(|d| count(d, "cache_write_tokens")).unwrap_or(0)),
+        output: count(u, "completion_tokens"),
+        total_context: input,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_shapes() {
+        let b = OpenAiChat.error_body(
+            ErrorShape::ContextLength {
+                projected: 130000,
+                window: 128000,
+            },
+            "context-budget",
+            "",
+        );
+        assert_eq!(
+            std::str::from_utf8(&b).unwrap(),
+            r#"{"error":{"code":"context_length_exceeded","message":"This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens. Please reduce the length of the messages.","param":"messages","type":"invalid_request_error"}}"#
+        );
+        let v: Value = serde_json::from_slice(&OpenAiChat.error_body(
+            ErrorShape::SessionBudget { spent: 5, budget: 4 },
+            "session-budget",
+            "x",
+        ))
+        .unwrap();
+        assert_eq!(v["error"]["code"], "session_budget_exceeded");
+        assert!(v["error"]["message"].as_str().unwrap().starts_with("session_budget_exceeded:"));
+        let v: Value = serde_json::from_slice(&OpenAiChat.error_body(
+            ErrorShape::Generic { status: 502 },
+            "upstream-connect",
+            "down",
+        ))
+        .unwrap();
+        assert_eq!(v["error"]["type"], "server_error");
+        assert_eq!(v["error"]["code"], "upstream_connect");
+        assert!(v["error"].get("param").is_some());
     }
 }

@@ -1,11 +1,23 @@
-//! STUB: to be completed.
+//! OpenAI Responses (`/responses`): usage on the terminal event, and the
+//! response id a later request continues with `previous_response_id`.
 
 use serde_json::Value;
 
-use super::{Api, CountedField, ErrorShape, Observed, Provider};
+use super::{
+    count, has_member, openai_error_body, Api, CountedField, ErrorShape, Observed, Provider, Usage,
+};
 use crate::inspect::RequestView;
 
 pub struct OpenAiResponses;
+
+/// Events whose `response` object carries an id or usage.
+const RESPONSE_EVENTS: &[&str] = &[
+    "response.created",
+    "response.in_progress",
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+];
 
 impl Provider for OpenAiResponses {
     fn api(&self) -> Api {
@@ -21,20 +33,73 @@ impl Provider for OpenAiResponses {
         req.get::<bool>("stream").unwrap_or(false)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[CountedField {
-            name: "messages",
-            per_element: true,
-        }]
+        &[
+            CountedField {
+                name: "instructions",
+                per_element: false,
+            },
+            CountedField {
+                name: "tools",
+                per_element: false,
+            },
+            CountedField {
+                name: "input",
+                per_element: true,
+            },
+        ]
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
-        req.get("max_tokens")
+        req.get("max_output_tokens")
     }
-    fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        memchr::memmem::find(data, b"usage").is_some()
+    fn continues(&self, req: &RequestView<'_>) -> Option<String> {
+        req.str("previous_response_id").map(|s| s.into_owned())
     }
-    fn observe(&self, _event: Option<&str>, _json: &Value, _acc: &mut Observed) {}
-    fn error_body(&self, _shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
-        serde_json::to_vec(&serde_json::json!({"error": {"message": message, "type": "api_error", "param": null, "code": kind}}))
-            .unwrap_or_default()
+    fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool {
+        match event {
+            // `in_progress` repeats what `created` said.
+            Some(e) => e != "response.in_progress" && RESPONSE_EVENTS.contains(&e) || e == "error",
+            None => {
+                has_member(data, b"\"usage\"")
+                    || has_member(data, b"\"error\"")
+                    || memchr::memmem::find(data, b"response.created").is_some()
+            }
+        }
+    }
+    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+        let typ = json.get("type").and_then(Value::as_str).unwrap_or("");
+        let response = if RESPONSE_EVENTS.contains(&typ) {
+            json.get("response")
+        } else if json.get("object").and_then(Value::as_str) == Some("response") {
+            Some(json) // a non-stream body is the Response itself
+        } else {
+            None
+        };
+        if typ == "error" || typ == "response.failed" {
+            acc.stream_error = true;
+        }
+        let Some(r) = response else {
+            return;
+        };
+        if let Some(id) = r.get("id").and_then(Value::as_str) {
+            acc.response_id = Some(id.to_string());
+        }
+        if let Some(u) = r.get("usage").filter(|u| u.is_object()) {
+            let details = u.get("input_tokens_details");
+            let input = count(u, "input_tokens");
+            acc.usage = Usage {
+                input,
+                cached_input: details.and_then(|d| count(d, "cached_tokens")),
+                cache_creation: Some(
+                    details
+                        .and_then(|d| count(d, "cache_write_tokens"))
+                        .unwrap_or(0),
+                ),
+                output: count(u, "output_tokens"),
+                total_context: input,
+            };
+        }
+    }
+    fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
+        openai_error_body(shape, kind, message)
     }
 }

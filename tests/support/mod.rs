@@ -318,9 +318,8 @@ pub fn request_for(folder: &str, name: &str) -> (String, String) {
             if name.starts_with("v1_") {
                 (
                     "/v1/chat/completions".into(),
-                    format!(
-                        r#"{{"model":"llama3.2","stream":true,"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"hello"}}]}}"#
-                    ),
+                    r#"{"model":"llama3.2","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hello"}]}"#
+                        .to_string(),
                 )
             } else {
                 (

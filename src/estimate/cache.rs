@@ -1,0 +1,196 @@
+//! Token counts of messages already seen, keyed by a 128-bit xxh3 of the
+//! message's exact bytes (seeded with tokenizer, API and field), in shards with
+//! a byte budget.
+//!
+//! Each shard keeps two generations: lookups promote from `old` to `new`;
+//! when `new` would outgrow the shard's share of the budget, `old` is dropped
+//! and `new` becomes `old`. Recently used entries survive, memory never
+//! exceeds the budget, and every operation is O(1).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// What one element counted to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counted {
+    pub tokens: u32,
+    pub chars: u32,
+}
+
+/// The key is already a uniform hash: use its low bits as the table hash.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+}
+
+type Table = HashMap<u128, Counted, BuildHasherDefault<KeyHasher>>;
+
+const SHARDS: usize = 32;
+const ENTRY: usize = std::mem::size_of::<(u128, Counted)>();
+
+/// Bytes a hashbrown table of this capacity holds: one slot and one control
+/// byte per bucket (buckets: a power of two at 7/8 load), plus a group of
+/// trailing control bytes and the map header.
+fn table_bytes(capacity: usize) -> usize {
+    if capacity == 0 {
+        return std::mem::size_of::<Table>();
+    }
+    let buckets = if capacity < 8 {
+        if capacity < 4 {
+            4
+        } else {
+            8
+        }
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    };
+    buckets * (ENTRY + 1) + 16 + std::mem::size_of::<Table>()
+}
+
+#[derive(Default)]
+struct Shard {
+    new: Table,
+    old: Table,
+}
+
+impl Shard {
+    fn bytes(&self) -> usize {
+        table_bytes(self.new.capacity()) + table_bytes(self.old.capacity())
+    }
+}
+
+pub struct Cache {
+    shards: Box<[Mutex<Shard>]>,
+    /// Budget of one shard.
+    shard_budget: usize,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+}
+
+impl Cache {
+    pub fn new(budget_bytes: usize) -> Cache {
+        Cache {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shard_budget: budget_bytes / SHARDS,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: u128) -> &Mutex<Shard> {
+        &self.shards[(key >> 64) as usize % SHARDS]
+    }
+
+    pub fn get(&self, key: u128) -> Option<Counted> {
+        let mut s = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+        let found = match s.new.get(&key) {
+            Some(c) => Some(*c),
+            None => {
+                let c = s.old.remove(&key);
+                if let Some(c) = c {
+                    insert(&mut s, key, c, self.shard_budget);
+                }
+                c
+            }
+        };
+        drop(s);
+        let counter = if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        found
+    }
+
+    pub fn put(&self, key: u128, c: Counted) {
+        let mut s = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
+        insert(&mut s, key, c, self.shard_budget);
+    }
+
+    /// Bytes the tables hold now (allocation, not just live entries).
+    pub fn bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).bytes())
+            .sum()
+    }
+
+    pub fn entries(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                let s = s.lock().unwrap_or_else(|e| e.into_inner());
+                s.new.len() + s.old.len()
+            })
+            .sum()
+    }
+}
+
+fn insert(s: &mut Shard, key: u128, c: Counted, budget: usize) {
+    if s.new.len() < s.new.capacity() || s.new.contains_key(&key) {
+        s.new.insert(key, c);
+        return;
+    }
+    // The next insert grows `new`: to twice its capacity (or a first table).
+    let grown = table_bytes((s.new.capacity() * 2).max(3));
+    if grown + table_bytes(s.old.capacity()) <= budget {
+        s.new.reserve(1);
+        s.new.insert(key, c);
+        return;
+    }
+    // Rotate: the old generation goes, the full new one becomes old.
+    s.old = std::mem::take(&mut s.new);
+    if table_bytes(3) + table_bytes(s.old.capacity()) > budget {
+        // Budget too small to keep even a minimal second table.
+        s.old = Table::default();
+        if table_bytes(3) > budget {
+            return;
+        }
+    }
+    s.new.insert(key, c);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_holds_and_recent_entries_survive() {
+        let budget = 256 * 1024;
+        let c = Cache::new(budget);
+        for i in 0..200_000u128 {
+            let k = i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
+            c.put(k, Counted { tokens: 1, chars: 1 });
+            if i % 1000 == 0 {
+                assert!(c.bytes() <= budget, "over budget at {i}");
+            }
+        }
+        assert!(c.bytes() <= budget);
+        assert!(c.entries() > 1000);
+        let last = 199_999u128.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
+        assert!(c.get(last).is_some());
+        let first = 0u128;
+        assert!(c.get(first).is_none());
+    }
+
+    #[test]
+    fn zero_budget_caches_nothing() {
+        let c = Cache::new(0);
+        c.put(1, Counted::default());
+        assert!(c.get(1).is_none());
+    }
+}

@@ -1,0 +1,253 @@
+//! Local token estimates of a request: everything the provider will count
+//! (system prompt, messages and their parts, tool calls and results, tool
+//! definitions, images, message framing), with the model's own tokenizer
+//! where it is public and the closest public one elsewhere.
+//!
+//! Each message (and each system prompt or tool definition) is counted once:
+//! its count is cached under a hash of its exact bytes, so a request that
+//! appends a turn to a long history tokenizes only that turn.
+
+mod cache;
+pub mod images;
+pub mod json;
+pub mod tokenizer;
+mod walk;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+use crate::inspect::RequestView;
+use crate::provider::{Api, Provider};
+use cache::{Cache, Counted};
+pub use tokenizer::Encoding;
+pub use walk::Unit;
+use walk::*;
+
+/// A request's local estimate.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Estimate {
+    /// Tokens the estimator thinks the provider will count.
+    pub tokens: u64,
+    /// Characters of counted text, for the `chars/4` baseline.
+    pub chars: u64,
+}
+
+/// Counters for tests, benchmarks and the curious.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Units (messages, system prompts, tool definitions) found in the cache.
+    pub hits: u64,
+    /// Units that had to be counted.
+    pub misses: u64,
+    /// Bytes of text handed to the tokenizer.
+    pub tokenized_bytes: u64,
+    /// Bytes the cache's tables hold.
+    pub cache_bytes: usize,
+    pub cache_entries: usize,
+}
+
+/// Counts requests; one per process, shared by every connection.
+pub struct Estimator {
+    cache: Cache,
+    tokenized: AtomicU64,
+}
+
+impl Estimator {
+    /// An estimator whose per-message cache holds at most `cache_bytes`.
+    pub fn new(cache_bytes: usize) -> Self {
+        Estimator {
+            cache: Cache::new(cache_bytes),
+            tokenized: AtomicU64::new(0),
+        }
+    }
+
+    /// Everything the provider will count in `req`, for `model`.
+    pub fn estimate(&self, p: &dyn Provider, req: &RequestView<'_>, model: Option<&str>) -> Estimate {
+        let api = p.api();
+        let enc = Encoding::for_model(api, model);
+        let mut sum = Sum::default();
+        for &(field, unit, per_element) in fields(api) {
+            let Some(raw) = req.raw(field) else {
+                continue;
+            };
+            let raw = raw.get();
+            let elements = if per_element {
+                json::split_array(raw)
+            } else {
+                None
+            };
+            let unit = match (api, unit) {
+                // Responses `input` is a string or a list of items.
+                (Api::OpenAiResponses, Unit::RespItem) if elements.is_none() => {
+                    Unit::RespInputText
+                }
+                _ => unit,
+            };
+            let mut n = 0u64;
+            match elements {
+                Some(els) => {
+                    for el in els {
+                        sum.add(self.unit(api, enc, model, unit, el));
+                        n += 1;
+                    }
+                }
+                None if json::kind(raw) == b'n' => {}
+                None => {
+                    sum.add(self.unit(api, enc, model, unit, raw));
+                    n += 1;
+                }
+            }
+            sum.tokens += block_overhead(api, unit, n);
+        }
+        sum.tokens += match api {
+            Api::OpenAiChat | Api::OpenAiResponses => OPENAI_REPLY,
+            Api::Anthropic => ANTHROPIC_REPLY,
+            Api::Gemini => GEMINI_REPLY,
+            Api::Ollama => OLLAMA_REPLY,
+        };
+        Estimate {
+            tokens: sum.tokens,
+            chars: sum.chars,
+        }
+    }
+
+    /// [`Estimator::estimate`] of a raw body; `None` when it is not a JSON object.
+    pub fn estimate_body(&self, api: Api, body: &[u8], model: Option<&str>) -> Option<Estimate> {
+        let view = RequestView::parse(body)?;
+        let p = api.provider();
+        let model = model
+            .map(str::to_owned)
+            .or_else(|| view.str("model").map(|m| m.into_owned()));
+        Some(self.estimate(p, &view, model.as_deref()))
+    }
+
+    /// Tokens of each element of a per-message field (`messages`, `input`,
+    /// `contents`, `tools`), framing included, in order; `None` when the
+    /// field is absent, not an array, or not one this API counts per element.
+    /// What a trimmer needs to choose what to drop.
+    pub fn element_tokens(
+        &self,
+        api: Api,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        field: &str,
+    ) -> Option<Vec<u64>> {
+        let &(_, unit, per_element) = fields(api).iter().find(|(f, _, _)| *f == field)?;
+        if !per_element {
+            return None;
+        }
+        let enc = Encoding::for_model(api, model);
+        let els = json::split_array(req.raw(field)?.get())?;
+        Some(
+            els.into_iter()
+                .map(|el| u64::from(self.unit(api, enc, model, unit, el).tokens))
+                .collect(),
+        )
+    }
+
+    /// Tokens of plain text under a model's tokenizer (no framing, no cache).
+    pub fn count_text(api: Api, model: Option<&str>, text: &str) -> u64 {
+        Encoding::for_model(api, model).count(text) as u64
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            hits: self.cache.hits.load(Ordering::Relaxed),
+            misses: self.cache.misses.load(Ordering::Relaxed),
+            tokenized_bytes: self.tokenized.load(Ordering::Relaxed),
+            cache_bytes: self.cache.bytes(),
+            cache_entries: self.cache.entries(),
+        }
+    }
+
+    /// One unit's count, from the cache or counted now.
+    fn unit(&self, api: Api, enc: Encoding, model: Option<&str>, unit: Unit, raw: &str) -> Counted {
+        let image_class = match api {
+            Api::OpenAiChat | Api::OpenAiResponses => images::openai_class(model),
+            _ => 0,
+        };
+        let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
+        let key = xxh3_128_with_seed(raw.as_bytes(), seed);
+        if let Some(c) = self.cache.get(key) {
+            return c;
+        }
+        let mut cx = Ctx {
+            enc,
+            api,
+            model,
+            tokens: 0,
+            chars: 0,
+            tokenized: 0,
+        };
+        walk::count(&mut cx, unit, raw);
+        self.tokenized.fetch_add(cx.tokenized, Ordering::Relaxed);
+        let c = Counted {
+            tokens: u32::try_from(cx.tokens).unwrap_or(u32::MAX),
+            chars: u32::try_from(cx.chars).unwrap_or(u32::MAX),
+        };
+        self.cache.put(key, c);
+        c
+    }
+}
+
+#[derive(Default)]
+struct Sum {
+    tokens: u64,
+    chars: u64,
+}
+
+impl Sum {
+    fn add(&mut self, c: Counted) {
+        self.tokens += u64::from(c.tokens);
+        self.chars += u64::from(c.chars);
+    }
+}
+
+/// Where each API keeps what the provider counts, in the order it sees it:
+/// (top-level field, how to count it, whether each array element is a unit).
+fn fields(api: Api) -> &'static [(&'static str, Unit, bool)] {
+    match api {
+        Api::OpenAiChat => &[
+            ("tools", Unit::ChatTool, true),
+            ("functions", Unit::ChatFunction, true),
+            ("messages", Unit::ChatMessage, true),
+        ],
+        Api::OpenAiResponses => &[
+            ("tools", Unit::RespTool, true),
+            ("instructions", Unit::RespInstructions, false),
+            ("input", Unit::RespItem, true),
+        ],
+        Api::Anthropic => &[
+            ("tools", Unit::AnthTool, true),
+            ("system", Unit::AnthSystem, false),
+            ("messages", Unit::AnthMessage, true),
+        ],
+        Api::Gemini => &[
+            ("tools", Unit::GemTool, true),
+            ("systemInstruction", Unit::GemSystem, false),
+            ("system_instruction", Unit::GemSystem, false),
+            ("contents", Unit::GemContent, true),
+        ],
+        Api::Ollama => &[
+            ("tools", Unit::OllamaTool, true),
+            ("system", Unit::OllamaText, false),
+            ("messages", Unit::OllamaMessage, true),
+            ("prompt", Unit::OllamaText, false),
+            ("images", Unit::OllamaImage, true),
+        ],
+    }
+}
+
+/// Fixed cost of a block of `n` units (tool definitions' wrapper).
+fn block_overhead(api: Api, unit: Unit, n: u64) -> u64 {
+    if n == 0 {
+        return 0;
+    }
+    match (api, unit) {
+        (Api::OpenAiChat, Unit::ChatTool | Unit::ChatFunction) => OPENAI_TOOLS_END,
+        (Api::OpenAiResponses, Unit::RespTool) => OPENAI_TOOLS_END,
+        (Api::Anthropic, Unit::AnthTool) => ANTHROPIC_TOOLS_SYSTEM,
+        _ => 0,
+    }
+}

@@ -1,0 +1,741 @@
+//! Turn-aware trimming of an over-budget request (SPEC §5 `trim`): elide old
+//! oversized tool results, then drop the oldest complete turns after the head,
+//! splicing the client's own JSON text so that every kept byte is unchanged.
+//!
+//! # Shape of a cut
+//!
+//! The conversation array (`messages`, Responses `input`, Gemini `contents`)
+//! is split into the *head* (everything up to and including the first user
+//! message: chat system prompts live there), then elements
+//! `[head_len, dropped_until)` that are dropped, then the kept tail, which
+//! always ends with the newest element. A *turn* starts at a user message that
+//! is not a tool result; cuts only ever land on a turn start, and a cut that
+//! would separate a tool call from its result is never taken.
+//!
+//! Anthropic requires strict user/assistant alternation starting with a user
+//! message. The head ends with a user message and the kept tail starts with a
+//! user message, so tidemark inserts one synthetic assistant message between
+//! them (`[tidemark: N earlier messages omitted]`): the head's bytes stay
+//! untouched, the gap is visible to the model, and alternation holds. Gemini
+//! gets the same marker as a `model` content.
+//!
+//! # Stickiness
+//!
+//! A [`Cut`] from the session's previous trim is applied first when the head
+//! bytes hash the same and the cut is still a legal cut in the new body; the
+//! trimmer cuts further only if that is not enough. A growing conversation
+//! thus keeps its forwarded prefix byte-identical and provider prompt caches
+//! survive.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use crate::provider::Api;
+
+/// Tool outputs at or below this many JSON bytes are not worth eliding: the
+/// marker itself costs about fifty.
+pub const ELIDE_MIN_BYTES: usize = 1024;
+
+/// Anthropic accepts at most this many `cache_control` breakpoints per request.
+pub const MAX_CACHE_BREAKPOINTS: usize = 4;
+
+/// Where a session's conversation was cut, remembered so the next request is
+/// cut at the same place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cut {
+    /// Index into the conversation array: elements `[head_len, dropped_until)`
+    /// are dropped (`dropped_until == head_len`: nothing dropped).
+    pub dropped_until: usize,
+    /// Element indices whose tool results were elided, ascending; all kept.
+    pub elided: Vec<usize>,
+    /// Hash of the head elements' original bytes, so that a cut is only ever
+    /// re-applied to the conversation it was made for.
+    pub prefix_hash: u64,
+}
+
+/// A trimmed request body and what was done to it.
+#[derive(Debug, Clone)]
+pub struct Trimmed {
+    pub body: Vec<u8>,
+    pub cut: Cut,
+    /// Turns dropped (the `turns` of `x-context-trimmed`): the user turns
+    /// dropped, plus one for the tail of the first user's turn when it goes.
+    pub turns: u32,
+    /// Tool results elided among the kept elements (`tool-results`).
+    pub tool_results: u32,
+}
+
+/// Trim `body` (a request of `api`) until `count(body) <= need`.
+///
+/// `count` is the caller's ruler (the session's anchored projection), `need`
+/// the target (`trim-to * window`), `prior` the session's last cut. `None`
+/// when the body is not a conversation this module understands (not JSON, a
+/// Responses string `input`, no user message) or when nothing can be
+/// removed. `Some` may still be over `need`: the caller re-projects and
+/// rejects; but a returned body is always shorter than `body`.
+pub fn trim(
+    api: Api,
+    body: &[u8],
+    count: &dyn Fn(&[u8]) -> u64,
+    need: u64,
+    prior: Option<&Cut>,
+) -> Option<Trimmed> {
+    trim_sticky(api, body, count, need, need, prior)
+}
+
+/// [`trim`] with hysteresis: when `prior` alone brings the body to `keep` or
+/// below (`keep >= need`, typically `limit-at * window`), nothing more is cut,
+/// so a growing conversation keeps the same cut — and its forwarded prefix —
+/// until it overflows the limit again; only then is it cut further, down to
+/// `need`. With `keep == need` every trimmed request lands just under `need`
+/// and the next one cuts a little further.
+pub fn trim_sticky(
+    api: Api,
+    body: &[u8],
+    count: &dyn Fn(&[u8]) -> u64,
+    need: u64,
+    keep: u64,
+    prior: Option<&Cut>,
+) -> Option<Trimmed> {
+    let conv = Conv::parse(api, body)?;
+    let mut st = State {
+        k: conv.head,
+        elided: BTreeSet::new(),
+    };
+    let under = |st: &State| count(&conv.render(st)) <= need;
+
+    if let Some(p) = prior {
+        if p.prefix_hash == conv.head_hash
+            && (p.dropped_until == conv.head || conv.cuts.contains(&p.dropped_until))
+        {
+            st.k = p.dropped_until;
+            st.elided = p
+                .elided
+                .iter()
+                .copied()
+                .filter(|&i| i >= st.k && conv.elidable(i))
+                .collect();
+            if count(&conv.render(&st)) <= keep.max(need) {
+                return conv.finish(body, st);
+            }
+        }
+    }
+
+    if !under(&st) {
+        // Step 1: old oversized tool results, oldest first, outside the newest turn.
+        let old: Vec<usize> = (st.k..conv.newest_turn)
+            .filter(|&i| conv.elidable(i) && !st.elided.contains(&i))
+            .collect();
+        elide_until(&mut st, &old, &under);
+    }
+    if !under(&st) {
+        // Step 2: drop the oldest complete turns.
+        let ks: Vec<usize> = conv.cuts.iter().copied().filter(|&c| c > st.k).collect();
+        if !ks.is_empty() {
+            let at = |j: usize| State {
+                k: ks[j],
+                elided: st.elided.range(ks[j]..).copied().collect(),
+            };
+            let j = first_true(ks.len(), |j| under(&at(j))).unwrap_or(ks.len() - 1);
+            st = at(j);
+        }
+    }
+    if !under(&st) {
+        // Step 3: tool results of the newest turn the model has already acted
+        // on (everything before its last tool step), oldest first.
+        let recent: Vec<usize> = (st.k.max(conv.newest_turn)..conv.last_step)
+            .filter(|&i| conv.elidable(i) && !st.elided.contains(&i))
+            .collect();
+        elide_until(&mut st, &recent, &under);
+    }
+
+    conv.finish(body, st)
+}
+
+/// Elide the shortest oldest-first prefix of `cands` that gets under; all of
+/// them if none does.
+fn elide_until(st: &mut State, cands: &[usize], under: &dyn Fn(&State) -> bool) {
+    if cands.is_empty() {
+        return;
+    }
+    let with = |j: usize| {
+        let mut s = st.clone();
+        s.elided.extend(cands[..=j].iter().copied());
+        s
+    };
+    let j = first_true(cands.len(), |j| under(&with(j))).unwrap_or(cands.len() - 1);
+    *st = with(j);
+}
+
+/// Smallest `j < n` with `f(j)`, assuming `f` is monotone; `None` if none.
+fn first_true(n: usize, f: impl Fn(usize) -> bool) -> Option<usize> {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if f(mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    (lo < n).then_some(lo)
+}
+
+#[derive(Clone)]
+struct State {
+    /// `dropped_until`.
+    k: usize,
+    elided: BTreeSet<usize>,
+}
+
+/// One element of the conversation array.
+struct Elem {
+    range: Range<usize>,
+    turn_start: bool,
+    /// Tool call ids this element issues.
+    calls: Vec<String>,
+    /// Tool call ids whose results this element carries (`None`: no id, as in
+    /// Ollama or Gemini without ids; bound to the nearest preceding call).
+    results: Vec<Option<String>>,
+    /// Splices that elide this element's oversized tool outputs.
+    elide: Vec<(Range<usize>, Vec<u8>)>,
+}
+
+struct Conv<'a> {
+    api: Api,
+    body: &'a [u8],
+    elems: Vec<Elem>,
+    /// `head_len`: elements `[0, head)` are always kept.
+    head: usize,
+    head_hash: u64,
+    /// Legal values of `dropped_until` beyond `head`, ascending.
+    cuts: Vec<usize>,
+    /// Index of the newest turn's start (elements from here are not elided in step 1).
+    newest_turn: usize,
+    /// Index of the newest turn's last tool step (never elided).
+    last_step: usize,
+    /// `cache_control` breakpoints outside the conversation array.
+    fixed_breakpoints: usize,
+}
+
+impl<'a> Conv<'a> {
+    fn parse(api: Api, body: &'a [u8]) -> Option<Conv<'a>> {
+        serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+        let top = Obj::parse(body, 0..body.len())?;
+        let key = match api {
+            Api::OpenAiChat | Api::Ollama | Api::Anthropic => "messages",
+            Api::OpenAiResponses => "input",
+            Api::Gemini => "contents",
+        };
+        let arr = top.get(key)?;
+        let ranges = elements(body, arr)?;
+        let mut elems = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            elems.push(Elem::parse(api, body, r)?);
+        }
+        let n = elems.len();
+        let first_user = elems.iter().position(|e| e.turn_start)?;
+        let head = first_user + 1;
+        let mut h = Fnv::new();
+        for e in &elems[..head] {
+            h.write(&body[e.range.clone()]);
+            h.write(b"\x1e");
+        }
+        let pairs = pairs(&elems);
+        let cuts = (head + 1..n)
+            .filter(|&k| elems[k].turn_start)
+            .filter(|&k| {
+                pairs
+                    .iter()
+                    .all(|&(a, b)| (head..k).contains(&a) == (head..k).contains(&b))
+            })
+            .collect();
+        let newest_turn = (0..n)
+            .rev()
+            .find(|&i| elems[i].turn_start)
+            .unwrap_or(0)
+            .max(head);
+        let last_step = (newest_turn..n)
+            .rev()
+            .find(|&i| !elems[i].calls.is_empty())
+            .unwrap_or(n.saturating_sub(1));
+        let fixed_breakpoints = if api == Api::Anthropic {
+            ["system", "tools"]
+                .iter()
+                .filter_map(|k| top.get(k))
+                .map(|r| breakpoints(&body[r]))
+                .sum()
+        } else {
+            0
+        };
+        Some(Conv {
+            api,
+            body,
+            elems,
+            head,
+            head_hash: h.0,
+            cuts,
+            newest_turn,
+            last_step,
+            fixed_breakpoints,
+        })
+    }
+
+    /// May element `i` have its tool outputs elided? Never the head, never the
+    /// newest element.
+    fn elidable(&self, i: usize) -> bool {
+        i >= self.head && i + 1 < self.elems.len() && !self.elems[i].elide.is_empty()
+    }
+
+    /// The result for state `st`, or `None` if it removes nothing.
+    fn finish(&self, body: &[u8], st: State) -> Option<Trimmed> {
+        if st.k == self.head && st.elided.is_empty() {
+            return None;
+        }
+        let out = self.render(&st);
+        if out.len() >= body.len() {
+            return None;
+        }
+        // The rest of the first user's turn counts as one when it goes.
+        let partial = st.k > self.head && !self.elems[self.head].turn_start;
+        let turns = (self.turn_starts_in(self.head..st.k) + usize::from(partial)) as u32;
+        let tool_results = st
+            .elided
+            .iter()
+            .map(|&i| self.elems[i].elide.len())
+            .sum::<usize>() as u32;
+        Some(Trimmed {
+            body: out,
+            cut: Cut {
+                dropped_until: st.k,
+                elided: st.elided.into_iter().collect(),
+                prefix_hash: self.head_hash,
+            },
+            turns,
+            tool_results,
+        })
+    }
+
+    fn turn_starts_in(&self, r: Range<usize>) -> usize {
+        self.elems[r].iter().filter(|e| e.turn_start).count()
+    }
+
+    /// The element's bytes after elision.
+    fn elem_bytes(&self, i: usize, st: &State) -> Vec<u8> {
+        let e = &self.elems[i];
+        if !st.elided.contains(&i) {
+            return self.body[e.range.clone()].to_vec();
+        }
+        let mut out = Vec::with_capacity(e.range.len());
+        let mut at = e.range.start;
+        for (r, rep) in &e.elide {
+            out.extend_from_slice(&self.body[at..r.start]);
+            out.extend_from_slice(rep);
+            at = r.end;
+        }
+        out.extend_from_slice(&self.body[at..e.range.end]);
+        out
+    }
+
+    /// The request with state `st` applied, spliced from the original text.
+    fn render(&self, st: &State) -> Vec<u8> {
+        let b = self.body;
+        let n = self.elems.len();
+        let kept: Vec<usize> = (0..self.head).chain(st.k.max(self.head)..n).collect();
+        let mut parts: Vec<Vec<u8>> = kept.iter().map(|&i| self.elem_bytes(i, st)).collect();
+        if self.api == Api::Anthropic {
+            let mut extra = (self.fixed_breakpoints
+                + parts.iter().map(|p| breakpoints(p)).sum::<usize>())
+            .saturating_sub(MAX_CACHE_BREAKPOINTS);
+            for p in parts.iter_mut() {
+                if extra == 0 {
+                    break;
+                }
+                let have = breakpoints(p);
+                if have == 0 {
+                    continue;
+                }
+                if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(p) {
+                    let removed = strip_breakpoints(&mut v, extra.min(have));
+                    if let Ok(s) = serde_json::to_vec(&v) {
+                        *p = s;
+                        extra -= removed;
+                    }
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(b.len());
+        let first = &self.elems[0].range;
+        out.extend_from_slice(&b[..first.start]);
+        for (j, (&i, p)) in kept.iter().zip(&parts).enumerate() {
+            if j > 0 {
+                let prev = kept[j - 1];
+                if prev + 1 == i {
+                    out.extend_from_slice(
+                        &b[self.elems[prev].range.end..self.elems[i].range.start],
+                    );
+                } else {
+                    out.push(b',');
+                    if let Some(m) = self.gap_marker(i - prev - 1) {
+                        out.extend_from_slice(&m);
+                        out.push(b',');
+                    }
+                }
+            }
+            out.extend_from_slice(p);
+        }
+        out.extend_from_slice(&b[self.elems[n - 1].range.end..]);
+        out
+    }
+
+    /// The synthetic message that keeps role alternation across a gap of
+    /// `dropped` elements, for the APIs that need it.
+    fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
+        let text = format!("[tidemark: {dropped} earlier messages omitted]");
+        let v = match self.api {
+            Api::Anthropic => serde_json::json!({"role": "assistant", "content": text}),
+            Api::Gemini => serde_json::json!({"role": "model", "parts": [{"text": text}]}),
+            _ => return None,
+        };
+        serde_json::to_vec(&v).ok()
+    }
+}
+
+/// The marker that replaces an elided tool output, as a JSON string.
+fn marker(bytes: usize) -> Vec<u8> {
+    format!("\"[tidemark: elided {bytes} bytes of tool output]\"").into_bytes()
+}
+
+impl Elem {
+    fn parse(api: Api, b: &[u8], range: Range<usize>) -> Option<Elem> {
+        let o = Obj::parse(b, range.clone())?;
+        let role = o.str("role");
+        let mut e = Elem {
+            range,
+            turn_start: false,
+            calls: Vec::new(),
+            results: Vec::new(),
+            elide: Vec::new(),
+        };
+        let oversized = |r: &Range<usize>| r.len() > ELIDE_MIN_BYTES;
+        match api {
+            Api::OpenAiChat | Api::Ollama => {
+                e.turn_start = role.as_deref() == Some("user");
+                if let Some(tc) = o.get("tool_calls") {
+                    for r in elements(b, tc).unwrap_or_default() {
+                        let id = Obj::parse(b, r).and_then(|c| c.str("id"));
+                        e.calls.push(id.unwrap_or_default());
+                    }
+                }
+                if role.as_deref() == Some("tool") {
+                    e.results.push(o.str("tool_call_id"));
+                    if let Some(c) = o.get("content").filter(oversized) {
+                        e.elide.push((c.clone(), marker(c.len())));
+                    }
+                }
+            }
+            Api::Anthropic => {
+                let blocks = o
+                    .get("content")
+                    .filter(|r| b.get(r.start) == Some(&b'['))
+                    .and_then(|r| elements(b, r))
+                    .unwrap_or_default();
+                for r in blocks {
+                    let Some(blk) = Obj::parse(b, r) else {
+                        continue;
+                    };
+                    match blk.str("type").as_deref() {
+                        Some("tool_use") => e.calls.push(blk.str("id").unwrap_or_default()),
+                        Some("tool_result") => {
+                            e.results.push(blk.str("tool_use_id"));
+                            if let Some(c) = blk.get("content").filter(oversized) {
+                                e.elide.push((c.clone(), marker(c.len())));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+            }
+            Api::OpenAiResponses => {
+                let ty = o.str("type");
+                let is_msg = ty.as_deref().map_or(true, |t| t == "message");
+                e.turn_start = is_msg && role.as_deref() == Some("user");
+                if let (Some(id), Some(t)) = (o.str("call_id"), ty.as_deref()) {
+                    if t.ends_with("_output") {
+                        e.results.push(Some(id));
+                        if t == "function_call_output" || t == "custom_tool_call_output" {
+                            if let Some(c) = o.get("output").filter(oversized) {
+                                e.elide.push((c.clone(), marker(c.len())));
+                            }
+                        }
+                    } else {
+                        e.calls.push(id);
+                    }
+                }
+            }
+            Api::Gemini => {
+                let parts = o
+                    .get("parts")
+                    .and_then(|r| elements(b, r))
+                    .unwrap_or_default();
+                for r in parts {
+                    let Some(p) = Obj::parse(b, r) else { continue };
+                    if let Some(fc) = p.get("functionCall") {
+                        let id = Obj::parse(b, fc).and_then(|f| f.str("id"));
+                        e.calls.push(id.unwrap_or_default());
+                    }
+                    if let Some(fr) = p.get("functionResponse") {
+                        let f = Obj::parse(b, fr);
+                        e.results.push(f.as_ref().and_then(|f| f.str("id")));
+                        if let Some(c) = f.and_then(|f| f.get("response")).filter(oversized) {
+                            let text =
+                                format!("[tidemark: elided {} bytes of tool output]", c.len());
+                            let rep = serde_json::to_vec(&serde_json::json!({ "content": text }))
+                                .unwrap_or_default();
+                            e.elide.push((c, rep));
+                        }
+                    }
+                }
+                e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+            }
+        }
+        Some(e)
+    }
+}
+
+/// (call element, result element) pairs: by id where the id is found among
+/// earlier calls, else bound to the nearest earlier element issuing calls.
+fn pairs(elems: &[Elem]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for (b, e) in elems.iter().enumerate() {
+        for id in &e.results {
+            let by_id = id.as_ref().and_then(|id| {
+                (0..b)
+                    .rev()
+                    .find(|&a| elems[a].calls.iter().any(|c| c == id))
+            });
+            let a = by_id.or_else(|| (0..b).rev().find(|&a| !elems[a].calls.is_empty()));
+            if let Some(a) = a {
+                out.push((a, b));
+            }
+        }
+    }
+    out
+}
+
+/// `cache_control` members with a non-null value in a JSON text. The byte
+/// sequence `"cache_control"` followed by `:` can only be a key: inside a
+/// string every quote is escaped.
+fn breakpoints(json: &[u8]) -> usize {
+    const PAT: &[u8] = b"\"cache_control\"";
+    memchr::memmem::find_iter(json, PAT)
+        .filter(|&at| {
+            let i = skip_ws(json, at + PAT.len());
+            json.get(i) == Some(&b':') && !json[skip_ws(json, i + 1)..].starts_with(b"null")
+        })
+        .count()
+}
+
+/// Remove up to `n` `cache_control` members, depth first in document order;
+/// returns how many were removed.
+fn strip_breakpoints(v: &mut serde_json::Value, n: usize) -> usize {
+    use serde_json::Value;
+    let mut removed = 0;
+    match v {
+        Value::Object(m) => {
+            if n > 0 && m.get("cache_control").is_some_and(|c| !c.is_null()) {
+                m.remove("cache_control");
+                removed += 1;
+            }
+            for (_, c) in m.iter_mut() {
+                if removed == n {
+                    break;
+                }
+                removed += strip_breakpoints(c, n - removed);
+            }
+        }
+        Value::Array(a) => {
+            for c in a.iter_mut() {
+                if removed == n {
+                    break;
+                }
+                removed += strip_breakpoints(c, n - removed);
+            }
+        }
+        _ => {}
+    }
+    removed
+}
+
+/// 64-bit FNV-1a: a stable, dependency-free hash for [`Cut::prefix_hash`].
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &x in bytes {
+            self.0 ^= u64::from(x);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+// ---- a minimal scanner over JSON text already validated by serde_json ----
+
+/// A JSON object's members: decoded key and the byte range of the value.
+struct Obj<'a> {
+    b: &'a [u8],
+    members: Vec<(String, Range<usize>)>,
+}
+
+impl<'a> Obj<'a> {
+    fn parse(b: &'a [u8], r: Range<usize>) -> Option<Obj<'a>> {
+        let mut i = skip_ws(b, r.start);
+        if b.get(i) != Some(&b'{') {
+            return None;
+        }
+        i = skip_ws(b, i + 1);
+        let mut members = Vec::new();
+        if b.get(i) == Some(&b'}') {
+            return Some(Obj { b, members });
+        }
+        loop {
+            let ke = string_end(b, i)?;
+            let key: String = serde_json::from_slice(b.get(i..ke)?).ok()?;
+            i = skip_ws(b, ke);
+            if b.get(i) != Some(&b':') {
+                return None;
+            }
+            let vs = skip_ws(b, i + 1);
+            let ve = value_end(b, vs)?;
+            members.push((key, vs..ve));
+            i = skip_ws(b, ve);
+            match b.get(i)? {
+                b',' => i = skip_ws(b, i + 1),
+                b'}' => return Some(Obj { b, members }),
+                _ => return None,
+            }
+        }
+    }
+
+    /// The value range of the last member named `key` (as serde does).
+    fn get(&self, key: &str) -> Option<Range<usize>> {
+        self.members
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, r)| r.clone())
+    }
+
+    fn str(&self, key: &str) -> Option<String> {
+        serde_json::from_slice(self.b.get(self.get(key)?)?).ok()
+    }
+}
+
+/// The value ranges of a JSON array's elements; `None` if `r` is not an array.
+fn elements(b: &[u8], r: Range<usize>) -> Option<Vec<Range<usize>>> {
+    let mut i = skip_ws(b, r.start);
+    if b.get(i) != Some(&b'[') {
+        return None;
+    }
+    i = skip_ws(b, i + 1);
+    let mut out = Vec::new();
+    if b.get(i) == Some(&b']') {
+        return Some(out);
+    }
+    loop {
+        let e = value_end(b, i)?;
+        out.push(i..e);
+        i = skip_ws(b, e);
+        match b.get(i)? {
+            b',' => i = skip_ws(b, i + 1),
+            b']' => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// End (exclusive) of the string starting at `b[i] == '"'`.
+fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    if b.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    loop {
+        match b.get(j)? {
+            b'\\' => j += 2,
+            b'"' => return Some(j + 1),
+            _ => j += 1,
+        }
+    }
+}
+
+/// End (exclusive) of the JSON value starting at `i`.
+fn value_end(b: &[u8], i: usize) -> Option<usize> {
+    match b.get(i)? {
+        b'"' => string_end(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match b.get(j)? {
+                    b'"' => {
+                        j = string_end(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth = depth.checked_sub(1)?;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let mut j = i;
+            while let Some(c) = b.get(j) {
+                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                    break;
+                }
+                j += 1;
+            }
+            (j > i).then_some(j)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scanner_finds_members_and_elements() {
+        let b = br#" { "a" : [1, "x\"]", {"b":null} ] , "c":true }"#;
+        let o = Obj::parse(b, 0..b.len()).unwrap();
+        assert_eq!(o.members.len(), 2);
+        let els = elements(b, o.get("a").unwrap()).unwrap();
+        let texts: Vec<&[u8]> = els.iter().map(|r| &b[r.clone()]).collect();
+        assert_eq!(texts, vec![&b"1"[..], br#""x\"]""#, br#"{"b":null}"#]);
+        assert_eq!(&b[o.get("c").unwrap()], b"true");
+    }
+
+    #[test]
+    fn breakpoints_ignore_strings_and_nulls() {
+        let j = br#"[{"cache_control":{"type":"ephemeral"}},{"cache_control" : null},{"t":"\"cache_control\": x"}]"#;
+        assert_eq!(breakpoints(j), 1);
+    }
+}
