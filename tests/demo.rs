@@ -167,6 +167,7 @@ async fn demo_table_matches_the_simulated_providers_counts() {
     let _ = std::fs::remove_dir_all(&dump);
 }
 
+#[cfg(unix)]
 #[tokio::test]
 async fn keep_running_serves_until_sigterm() {
     let mut child = Command::new(BIN)
