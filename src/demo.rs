@@ -780,11 +780,8 @@ fn table(run: &SessionRun, paint: &Paint) -> String {
             )
         )
     );
-    let _ = writeln!(
-        s,
-        "{:>4}  {:>7}  {:>7}  {:>8}  {:>10}  {:>8}  {:<10}  {}",
-        "turn", "real", "chars/4", "estimate", "projection", "error", "src", "decision"
-    );
+    // Column widths match the rows below.
+    s.push_str("turn     real  chars/4  estimate  projection     error  src         decision\n");
     for r in &run.rows {
         let err = match (r.projection, r.real) {
             (Some(p), Some(real)) if real > 0 => Some(error_pct(p, real)),
@@ -844,8 +841,14 @@ fn summary(run: &SessionRun, warn_at: f64, paint: &Paint) -> String {
     let line = warn_at * run.window as f64;
     let real = first_at(&run.rows, line, |r| r.real);
     let last = run.rows.last().map_or(0, |r| r.turn);
+    // The run stopped on a context-length 400 (the provider's or tidemark's).
+    let hit_wall = run.rows.last().is_some_and(|r| r.status == 400);
     let verdict = |t: Option<u32>| -> String {
         match (t, real) {
+            (None, Some(r)) if hit_wall => paint.c(
+                "31",
+                &format!("never: the session hit the wall at turn {last} first (the real count crossed at turn {r})"),
+            ),
             (None, Some(r)) => paint.c(
                 "31",
                 &format!("never within {last} turns (the real count crossed at turn {r})"),
@@ -871,7 +874,7 @@ fn summary(run: &SessionRun, warn_at: f64, paint: &Paint) -> String {
     );
     let _ = writeln!(
         s,
-        "   the real count crossed it:            {}",
+        "   the real count crossed it:             {}",
         real.map_or_else(
             || format!("not within {last} turns"),
             |t| format!("turn {t}")
@@ -879,7 +882,7 @@ fn summary(run: &SessionRun, warn_at: f64, paint: &Paint) -> String {
     );
     let _ = writeln!(
         s,
-        "   a gate on chars/4 would fire:         {}",
+        "   a gate on chars/4 would fire:          {}",
         verdict(first_at(&run.rows, line, |r| Some(r.chars4)))
     );
     let _ = writeln!(

@@ -520,7 +520,9 @@ fn complete(
         .to_string();
     let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
     let with_usage = !cfg.omit_usage_every.is_some_and(|k| k > 0 && n % k == 0);
-    let reply = decide(api, body, count.total ^ (n << 32));
+    // The reply depends on the prompt only, so a session replays the same
+    // way whatever else the simulator served before it.
+    let reply = decide(api, body, count.total.wrapping_mul(0x2545_F491_4F6C_DD1D));
     let output = match &reply {
         Reply::Text(t) => tok(t),
         Reply::Tool { name, input, .. } => 10 + tok(name) + tok(&input.to_string()),

@@ -95,12 +95,19 @@ async fn demo_table_matches_the_simulated_providers_counts() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed: {stderr}\n{stdout}");
     assert!(!stdout.contains('\x1b'), "no colour without a terminal");
-    assert!(!stderr.contains('\x1b'), "no progress bar without a terminal");
+    assert!(
+        !stderr.contains('\x1b'),
+        "no progress bar without a terminal"
+    );
 
     let sessions = parse(&stdout);
     let names: Vec<&str> = sessions.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["openai-chat", "anthropic-messages"], "{stdout}");
-    assert_eq!(stdout.matches("gate line:").count(), 2, "one summary per session");
+    assert_eq!(
+        stdout.matches("gate line:").count(),
+        2,
+        "one summary per session"
+    );
 
     let estimator = Estimator::new(16 << 20);
     for (name, rows) in &sessions {
@@ -126,10 +133,15 @@ async fn demo_table_matches_the_simulated_providers_counts() {
             assert_eq!(r.chars4, est.chars / 4, "{ctx}");
 
             // error is (projection - real) / real of the printed numbers.
-            let p = r.projection.unwrap_or_else(|| panic!("{ctx}: no projection"));
+            let p = r
+                .projection
+                .unwrap_or_else(|| panic!("{ctx}: no projection"));
             let want = (p as f64 - real as f64) / real as f64 * 100.0;
             let got = r.error.unwrap_or_else(|| panic!("{ctx}: no error"));
-            assert!((got - want).abs() < 0.006, "{ctx}: printed {got}, computed {want}");
+            assert!(
+                (got - want).abs() < 0.006,
+                "{ctx}: printed {got}, computed {want}"
+            );
             assert!(
                 ["pass", "warn", "over"].contains(&r.decision.as_str()),
                 "{ctx}"
@@ -155,6 +167,7 @@ async fn demo_table_matches_the_simulated_providers_counts() {
     let _ = std::fs::remove_dir_all(&dump);
 }
 
+#[cfg(unix)]
 #[tokio::test]
 async fn keep_running_serves_until_sigterm() {
     let mut child = Command::new(BIN)

@@ -2,8 +2,6 @@
 //! tidemark's tokenizer), its wire formats have the shape of the recorded
 //! fixtures, and its faults look like the real APIs' faults.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::io::Read;
 use std::net::SocketAddr;
@@ -15,10 +13,16 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-use support::within;
 use tidemark::sim::{self, count_prompt, SimApi, SimConfig, X_SIM_PROMPT_TOKENS};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+
+/// Fail the test instead of hanging.
+async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("timed out waiting")
+}
 
 const FIX: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
 
@@ -64,8 +68,8 @@ impl Resp {
 
 async fn post(addr: SocketAddr, path: &str, body: &Value, gzip: bool) -> Resp {
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let mut req = Request::post(format!("http://{addr}{path}"))
-        .header("content-type", "application/json");
+    let mut req =
+        Request::post(format!("http://{addr}{path}")).header("content-type", "application/json");
     if gzip {
         req = req.header("accept-encoding", "gzip");
     }
@@ -85,10 +89,7 @@ async fn post(addr: SocketAddr, path: &str, body: &Value, gzip: bool) -> Resp {
 }
 
 fn cl100k(s: &str) -> u64 {
-    tiktoken_rs::cl100k_base()
-        .unwrap()
-        .encode_ordinary(s)
-        .len() as u64
+    tiktoken_rs::cl100k_base().unwrap().encode_ordinary(s).len() as u64
 }
 
 fn keys(v: &Value) -> BTreeSet<String> {
@@ -182,10 +183,7 @@ async fn openai_stream_without_usage_option_sends_no_usage() {
         .to_str()
         .unwrap()
         .starts_with("text/event-stream"));
-    assert_eq!(
-        r.sim_count(),
-        count_prompt(SimApi::OpenAiChat, &req).total
-    );
+    assert_eq!(r.sim_count(), count_prompt(SimApi::OpenAiChat, &req).total);
     let text = r.text();
     assert!(text.ends_with("data: [DONE]\n\n"));
     let evs = sse_events(&text);
@@ -370,10 +368,9 @@ async fn over_the_window_is_the_providers_own_400() {
     assert_eq!(keys(&v["error"]), keys(&fx["error"]));
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     let n = r.sim_count();
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains(&format!("maximum context length is 20 tokens. However, your messages resulted in {n} tokens")));
+    assert!(v["error"]["message"].as_str().unwrap().contains(&format!(
+        "maximum context length is 20 tokens. However, your messages resulted in {n} tokens"
+    )));
 
     let r = post(s.addr, "/v1/messages", &anthropic_req(true), false).await;
     assert_eq!(r.status, 400);
@@ -384,7 +381,10 @@ async fn over_the_window_is_the_providers_own_400() {
     assert_eq!(v["error"]["type"], fx["error"]["type"]);
     assert_eq!(
         v["error"]["message"],
-        json!(format!("prompt is too long: {} tokens > 20 maximum", r.sim_count()))
+        json!(format!(
+            "prompt is too long: {} tokens > 20 maximum",
+            r.sim_count()
+        ))
     );
 }
 
