@@ -26,8 +26,10 @@ const RATIO_MIN: f64 = 0.25;
 const RATIO_MAX: f64 = 8.0;
 /// Smallest estimate difference between two anchors that teaches a ratio.
 const MIN_DELTA: u64 = 16;
-/// Weight of the newest sample in the session's marginal ratio.
-const SESSION_ALPHA: f64 = 0.5;
+/// How much of the session's earlier anchor differences survives each new
+/// one: the marginal ratio is a decayed, size-weighted sum, so a turn of a
+/// dozen tokens (all framing) moves it far less than a 5,000-token tool result.
+const SESSION_DECAY: f64 = 0.5;
 /// Weight of the newest sample in the per-model ratios learned across sessions.
 const MODEL_ALPHA: f64 = 0.1;
 /// Weight of the newest turn in the growth per turn.
@@ -227,8 +229,12 @@ pub struct Record {
     /// The last anchor ever made under the current model, kept across drops:
     /// the base for projecting anchor-less requests and for learning ratios.
     pub reference: Option<(u64, u64)>,
-    /// Learned real/estimate ratio for new content.
+    /// Learned real/estimate ratio for new content:
+    /// `marginal_real / marginal_estimate` once enough was seen.
     pub marginal: Option<f64>,
+    /// Decayed sums of real and estimated growth between consecutive anchors.
+    pub marginal_real: f64,
+    pub marginal_estimate: f64,
     /// Recent real growth per turn.
     pub growth: Option<f64>,
     /// `DELETE /sessions/{key}` happened: the next request is anchor-less.
@@ -273,6 +279,8 @@ impl Record {
             fence: 0,
             reference: None,
             marginal: None,
+            marginal_real: 0.0,
+            marginal_estimate: 0.0,
             growth: None,
             reset_pending: false,
             had_ok: false,
@@ -492,7 +500,11 @@ impl Sessions {
         let idle = self.mono_ms(Instant::now());
         let mut slot = match self.map.get_mut(key.as_str()) {
             Some(s) => s,
-            None => self.map.entry(Box::from(key.as_str())).or_default(),
+            // Capacity 1: a `Vec` of large elements would otherwise start at 4.
+            None => self
+                .map
+                .entry(Box::from(key.as_str()))
+                .or_insert_with(|| Vec::with_capacity(1)),
         };
         let idx = match slot.iter().position(|r| *r.credential == *credential) {
             Some(i) => i,
@@ -519,6 +531,8 @@ impl Sessions {
             rec.model = model.as_deref().map(Into::into);
             rec.reference = None;
             rec.marginal = None;
+            rec.marginal_real = 0.0;
+            rec.marginal_estimate = 0.0;
             rec.growth = None;
         }
         let shrink = !model_changed && rec.anchor.is_some_and(|a| estimate < a.estimate);
@@ -696,13 +710,23 @@ impl Sessions {
                     if ticket.seq >= rec.fence && same_model {
                         let est = ticket.estimate;
                         if let Some((r0, e0)) = rec.reference {
-                            let de = est as f64 - e0 as f64;
-                            if de.abs() >= MIN_DELTA as f64 {
-                                let ratio = (real as f64 - r0 as f64) / de;
-                                if ratio.is_finite() && ratio > 0.0 {
-                                    let ratio = ratio.clamp(RATIO_MIN, RATIO_MAX);
-                                    rec.marginal = Some(ewma(rec.marginal, ratio, SESSION_ALPHA));
-                                    learned_marginal = Some(ratio);
+                            // Differences cancel the provider's fixed overhead.
+                            let mut dr = real as f64 - r0 as f64;
+                            let mut de = est as f64 - e0 as f64;
+                            if de < 0.0 {
+                                (dr, de) = (-dr, -de);
+                            }
+                            if de > 0.0 && dr > 0.0 {
+                                rec.marginal_real = rec.marginal_real * SESSION_DECAY + dr;
+                                rec.marginal_estimate = rec.marginal_estimate * SESSION_DECAY + de;
+                                if rec.marginal_estimate >= MIN_DELTA as f64 {
+                                    rec.marginal = Some(
+                                        (rec.marginal_real / rec.marginal_estimate)
+                                            .clamp(RATIO_MIN, RATIO_MAX),
+                                    );
+                                }
+                                if de >= MIN_DELTA as f64 {
+                                    learned_marginal = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
                                 }
                             }
                         }
@@ -823,7 +847,7 @@ impl Sessions {
     pub fn list(&self, limit: usize) -> serde_json::Value {
         // Min-heap of the best `limit` (utilisation, order) seen; sessions with
         // no window sort last.
-        let mut heap: BinaryHeap<Reverse<(OrdF64, u64, Box<str>, Box<str>)>> = BinaryHeap::new();
+        let mut heap: BinaryHeap<Reverse<Candidate>> = BinaryHeap::new();
         if limit > 0 {
             for e in self.map.iter() {
                 for r in e.value() {
@@ -999,6 +1023,9 @@ fn utilization(r: &Record) -> Option<f64> {
         .filter(|w| *w > 0)
         .map(|w| r.projection as f64 / w as f64)
 }
+
+/// A `list` candidate: (utilisation, LRU order, key, credential).
+type Candidate = (OrdF64, u64, Box<str>, Box<str>);
 
 /// `f64` with a total order, for sorting by utilisation.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -150,6 +150,33 @@ fn calibration_tolerates_noisy_counts() {
 }
 
 #[test]
+fn per_message_overhead_and_tiny_turns_do_not_derail_the_ratio() {
+    // A provider with its own tokenizer (slope 1.3), 7 tokens of framing per
+    // message and 900 per request; turns alternate between a few words and
+    // large tool results. Turn 2 is tiny, so the slope is first seen on turn 3:
+    // from turn 4 on every projection is within 1%.
+    let s = store(100);
+    let (mut est, mut msgs) = (1_200u64, 2u64);
+    let count = |est: u64, msgs: u64| (1.3 * est as f64).round() as u64 + 7 * msgs + 900;
+    let mut worst: f64 = 0.0;
+    for t in 1..=30u64 {
+        if t > 1 {
+            est += if t % 3 == 0 { 2_000 + (t * 7_919) % 3_000 } else { 6 + t % 9 };
+            msgs += 2;
+        }
+        let real = count(est, msgs);
+        let b = s.begin(facts("framing", "framing-model", est));
+        if t >= 4 {
+            let err = (b.projection.tokens as f64 - real as f64).abs() / real as f64;
+            assert!(err < 0.01, "turn {t}: {} vs {real}", b.projection.tokens);
+            worst = worst.max(err);
+        }
+        s.finish(b.ticket, ok(real));
+    }
+    assert!(worst < 0.01);
+}
+
+#[test]
 fn cold_start_uses_the_models_ratio_learned_across_sessions() {
     let s = store(100);
     let (a, b) = (1.8, 300.0);
