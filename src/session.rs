@@ -192,6 +192,15 @@ pub struct Begun {
     growth: Option<f64>,
 }
 
+impl Begun {
+    /// Projected without an anchor (first request, shrink, reset, model
+    /// change, after `DELETE`): where `--exact-cold-start` asks the provider
+    /// to count and then calls [`Sessions::apply_count`].
+    pub fn anchorless(&self) -> bool {
+        self.ticket.cold
+    }
+}
+
 pub struct Outcome {
     pub status: u16,
     pub usage: Usage,

@@ -161,7 +161,11 @@ fn per_message_overhead_and_tiny_turns_do_not_derail_the_ratio() {
     let mut worst: f64 = 0.0;
     for t in 1..=30u64 {
         if t > 1 {
-            est += if t % 3 == 0 { 2_000 + (t * 7_919) % 3_000 } else { 6 + t % 9 };
+            est += if t % 3 == 0 {
+                2_000 + (t * 7_919) % 3_000
+            } else {
+                6 + t % 9
+            };
             msgs += 2;
         }
         let real = count(est, msgs);
@@ -683,6 +687,7 @@ fn trimming_reprojects_with_the_same_ruler_and_anchors_what_was_sent() {
     assert_eq!(anchor.estimate, 1_500);
     // The client sends its full history again: no shrink, projected in full.
     let bg = s.begin(facts("trim", "trim-model", 10_200));
+    assert!(!bg.anchorless());
     assert_eq!(bg.projection.src, Src::Anchored);
     assert_eq!(bg.projection.tokens, provider(a, b, 10_200));
     assert_eq!(rec(&s, "trim").compactions, 0);
@@ -698,6 +703,7 @@ fn a_provider_count_replaces_the_cold_projection() {
     assert_eq!(b.projection.tokens, 1_444);
     s.finish(b.ticket, ok(1_444));
     let mut b = s.begin(facts("count-2", "count-model", 2_000));
+    assert!(b.anchorless());
     s.apply_count(&mut b, 2_345);
     assert_eq!(b.projection.src, Src::Counted);
     assert_eq!(b.projection.tokens, 2_345);
