@@ -1082,6 +1082,76 @@ mod api_name {
 mod tests {
     use super::*;
 
+    fn gauges() -> [i64; 4] {
+        State::ALL.map(|st| {
+            metrics::get()
+                .sessions
+                .with_label_values(&[st.as_str()])
+                .get()
+        })
+    }
+
+    fn delta(base: [i64; 4]) -> [i64; 4] {
+        let now = gauges();
+        [0, 1, 2, 3].map(|i| now[i] - base[i])
+    }
+
+    fn facts(key: &str, estimate: u64) -> RequestFacts {
+        RequestFacts {
+            key: Some(key.into()),
+            credential: "none".into(),
+            api: Api::Anthropic,
+            model: Some("gauge-model".into()),
+            estimate,
+            reset: false,
+            window: None,
+            counted: None,
+            continues: None,
+        }
+    }
+
+    fn outcome(real: Option<u64>) -> Outcome {
+        Outcome {
+            status: 200,
+            usage: Usage {
+                total_context: real,
+                ..Default::default()
+            },
+            response_id: None,
+            completed: true,
+        }
+    }
+
+    /// `tidemark_sessions{state}` follows every transition, sweep and drop.
+    /// (The only test in the library that makes sessions, so the process-wide
+    /// gauges are not moved by others while it runs.)
+    #[test]
+    fn state_gauges_follow_transitions() {
+        let base = gauges();
+        let s = Sessions::new(SessionConfig {
+            ttl: Duration::from_secs(60),
+            max_sessions: 10,
+        });
+        let b = s.begin(facts("g1", 100));
+        let b2 = s.begin(facts("g2", 100));
+        assert_eq!(delta(base), [2, 0, 0, 0]);
+        s.finish(b.ticket, outcome(Some(120)));
+        assert_eq!(delta(base), [1, 1, 0, 0]);
+        s.finish(b2.ticket, outcome(None));
+        let b = s.begin(facts("g2", 110));
+        assert_eq!(b.projection.src, Src::Lost);
+        assert_eq!(delta(base), [0, 1, 0, 1]);
+        assert!(s.reset("g1"));
+        assert_eq!(delta(base), [0, 0, 1, 1]);
+        s.sweep(Instant::now() + Duration::from_secs(120));
+        assert_eq!(s.len(), 0);
+        assert_eq!(delta(base), [0, 0, 0, 0]);
+        s.begin(facts("g3", 100));
+        assert_eq!(delta(base), [1, 0, 0, 0]);
+        drop(s);
+        assert_eq!(delta(base), [0, 0, 0, 0]);
+    }
+
     #[test]
     fn rfc3339_known_dates() {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
