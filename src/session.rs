@@ -26,8 +26,10 @@ const RATIO_MIN: f64 = 0.25;
 const RATIO_MAX: f64 = 8.0;
 /// Smallest estimate difference between two anchors that teaches a ratio.
 const MIN_DELTA: u64 = 16;
-/// Weight of the newest sample in the session's marginal ratio.
-const SESSION_ALPHA: f64 = 0.5;
+/// How much of the session's earlier anchor differences survives each new
+/// one: the marginal ratio is a decayed, size-weighted sum, so a turn of a
+/// dozen tokens (all framing) moves it far less than a 5,000-token tool result.
+const SESSION_DECAY: f64 = 0.5;
 /// Weight of the newest sample in the per-model ratios learned across sessions.
 const MODEL_ALPHA: f64 = 0.1;
 /// Weight of the newest turn in the growth per turn.
@@ -190,6 +192,15 @@ pub struct Begun {
     growth: Option<f64>,
 }
 
+impl Begun {
+    /// Projected without an anchor (first request, shrink, reset, model
+    /// change, after `DELETE`): where `--exact-cold-start` asks the provider
+    /// to count and then calls [`Sessions::apply_count`].
+    pub fn anchorless(&self) -> bool {
+        self.ticket.cold
+    }
+}
+
 pub struct Outcome {
     pub status: u16,
     pub usage: Usage,
@@ -227,8 +238,12 @@ pub struct Record {
     /// The last anchor ever made under the current model, kept across drops:
     /// the base for projecting anchor-less requests and for learning ratios.
     pub reference: Option<(u64, u64)>,
-    /// Learned real/estimate ratio for new content.
+    /// Learned real/estimate ratio for new content:
+    /// `marginal_real / marginal_estimate` once enough was seen.
     pub marginal: Option<f64>,
+    /// Decayed sums of real and estimated growth between consecutive anchors.
+    pub marginal_real: f64,
+    pub marginal_estimate: f64,
     /// Recent real growth per turn.
     pub growth: Option<f64>,
     /// `DELETE /sessions/{key}` happened: the next request is anchor-less.
@@ -273,6 +288,8 @@ impl Record {
             fence: 0,
             reference: None,
             marginal: None,
+            marginal_real: 0.0,
+            marginal_estimate: 0.0,
             growth: None,
             reset_pending: false,
             had_ok: false,
@@ -492,7 +509,11 @@ impl Sessions {
         let idle = self.mono_ms(Instant::now());
         let mut slot = match self.map.get_mut(key.as_str()) {
             Some(s) => s,
-            None => self.map.entry(Box::from(key.as_str())).or_default(),
+            // Capacity 1: a `Vec` of large elements would otherwise start at 4.
+            None => self
+                .map
+                .entry(Box::from(key.as_str()))
+                .or_insert_with(|| Vec::with_capacity(1)),
         };
         let idx = match slot.iter().position(|r| *r.credential == *credential) {
             Some(i) => i,
@@ -519,6 +540,8 @@ impl Sessions {
             rec.model = model.as_deref().map(Into::into);
             rec.reference = None;
             rec.marginal = None;
+            rec.marginal_real = 0.0;
+            rec.marginal_estimate = 0.0;
             rec.growth = None;
         }
         let shrink = !model_changed && rec.anchor.is_some_and(|a| estimate < a.estimate);
@@ -696,13 +719,23 @@ impl Sessions {
                     if ticket.seq >= rec.fence && same_model {
                         let est = ticket.estimate;
                         if let Some((r0, e0)) = rec.reference {
-                            let de = est as f64 - e0 as f64;
-                            if de.abs() >= MIN_DELTA as f64 {
-                                let ratio = (real as f64 - r0 as f64) / de;
-                                if ratio.is_finite() && ratio > 0.0 {
-                                    let ratio = ratio.clamp(RATIO_MIN, RATIO_MAX);
-                                    rec.marginal = Some(ewma(rec.marginal, ratio, SESSION_ALPHA));
-                                    learned_marginal = Some(ratio);
+                            // Differences cancel the provider's fixed overhead.
+                            let mut dr = real as f64 - r0 as f64;
+                            let mut de = est as f64 - e0 as f64;
+                            if de < 0.0 {
+                                (dr, de) = (-dr, -de);
+                            }
+                            if de > 0.0 && dr > 0.0 {
+                                rec.marginal_real = rec.marginal_real * SESSION_DECAY + dr;
+                                rec.marginal_estimate = rec.marginal_estimate * SESSION_DECAY + de;
+                                if rec.marginal_estimate >= MIN_DELTA as f64 {
+                                    rec.marginal = Some(
+                                        (rec.marginal_real / rec.marginal_estimate)
+                                            .clamp(RATIO_MIN, RATIO_MAX),
+                                    );
+                                }
+                                if de >= MIN_DELTA as f64 {
+                                    learned_marginal = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
                                 }
                             }
                         }
@@ -823,7 +856,7 @@ impl Sessions {
     pub fn list(&self, limit: usize) -> serde_json::Value {
         // Min-heap of the best `limit` (utilisation, order) seen; sessions with
         // no window sort last.
-        let mut heap: BinaryHeap<Reverse<(OrdF64, u64, Box<str>, Box<str>)>> = BinaryHeap::new();
+        let mut heap: BinaryHeap<Reverse<Candidate>> = BinaryHeap::new();
         if limit > 0 {
             for e in self.map.iter() {
                 for r in e.value() {
@@ -1000,6 +1033,9 @@ fn utilization(r: &Record) -> Option<f64> {
         .map(|w| r.projection as f64 / w as f64)
 }
 
+/// A `list` candidate: (utilisation, LRU order, key, credential).
+type Candidate = (OrdF64, u64, Box<str>, Box<str>);
+
 /// `f64` with a total order, for sorting by utilisation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct OrdF64(f64);
@@ -1045,6 +1081,76 @@ mod api_name {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gauges() -> [i64; 4] {
+        State::ALL.map(|st| {
+            metrics::get()
+                .sessions
+                .with_label_values(&[st.as_str()])
+                .get()
+        })
+    }
+
+    fn delta(base: [i64; 4]) -> [i64; 4] {
+        let now = gauges();
+        [0, 1, 2, 3].map(|i| now[i] - base[i])
+    }
+
+    fn facts(key: &str, estimate: u64) -> RequestFacts {
+        RequestFacts {
+            key: Some(key.into()),
+            credential: "none".into(),
+            api: Api::Anthropic,
+            model: Some("gauge-model".into()),
+            estimate,
+            reset: false,
+            window: None,
+            counted: None,
+            continues: None,
+        }
+    }
+
+    fn outcome(real: Option<u64>) -> Outcome {
+        Outcome {
+            status: 200,
+            usage: Usage {
+                total_context: real,
+                ..Default::default()
+            },
+            response_id: None,
+            completed: true,
+        }
+    }
+
+    /// `tidemark_sessions{state}` follows every transition, sweep and drop.
+    /// (The only test in the library that makes sessions, so the process-wide
+    /// gauges are not moved by others while it runs.)
+    #[test]
+    fn state_gauges_follow_transitions() {
+        let base = gauges();
+        let s = Sessions::new(SessionConfig {
+            ttl: Duration::from_secs(60),
+            max_sessions: 10,
+        });
+        let b = s.begin(facts("g1", 100));
+        let b2 = s.begin(facts("g2", 100));
+        assert_eq!(delta(base), [2, 0, 0, 0]);
+        s.finish(b.ticket, outcome(Some(120)));
+        assert_eq!(delta(base), [1, 1, 0, 0]);
+        s.finish(b2.ticket, outcome(None));
+        let b = s.begin(facts("g2", 110));
+        assert_eq!(b.projection.src, Src::Lost);
+        assert_eq!(delta(base), [0, 1, 0, 1]);
+        assert!(s.reset("g1"));
+        assert_eq!(delta(base), [0, 0, 1, 1]);
+        s.sweep(Instant::now() + Duration::from_secs(120));
+        assert_eq!(s.len(), 0);
+        assert_eq!(delta(base), [0, 0, 0, 0]);
+        s.begin(facts("g3", 100));
+        assert_eq!(delta(base), [1, 0, 0, 0]);
+        drop(s);
+        assert_eq!(delta(base), [0, 0, 0, 0]);
+    }
 
     #[test]
     fn rfc3339_known_dates() {
