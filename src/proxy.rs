@@ -22,7 +22,7 @@ use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
-use crate::session::{Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions, Src};
+use crate::session::{Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions};
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::trim::{self, Cut};
 use crate::upstream::{self, Client, UpBody, UpstreamError};
@@ -571,7 +571,7 @@ async fn api_request(
         continues: p.continues(&view),
     });
     // --exact-cold-start: no anchor, so ask the provider's own counter.
-    if cfg.exact_cold_start && matches!(begun.projection.src, Src::Calibrated | Src::Estimate) {
+    if cfg.exact_cold_start && begun.anchorless() {
         if let Some((cpath, cbody)) = p.count_request(path, &view) {
             if let Some(n) = count_exact(state, &parts, upstream, p, &cpath, cbody).await {
                 state.sessions.apply_count(&mut begun, n);
