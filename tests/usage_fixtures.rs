@@ -373,6 +373,21 @@ fn a_gzip_bomb_is_not_read_past_the_cap() {
     assert_eq!(o.observed.usage.total_context, Some(11));
 }
 
+#[test]
+fn a_zstd_frame_asking_for_a_huge_window_is_refused() {
+    // A 128 MiB window would make the tap allocate that much: refused, one error.
+    let mut e = zstd::stream::write::Encoder::new(Vec::new(), 3).unwrap();
+    e.window_log(27).unwrap();
+    e.long_distance_matching(true).unwrap();
+    e.write_all(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5}}\n\n").unwrap();
+    let z = e.finish().unwrap();
+    let mut r = reader(Api::OpenAiChat, Framing::Sse, Some("zstd"));
+    r.feed(&z);
+    let o = r.finish();
+    assert_eq!(o.parse_errors, 1);
+    assert_eq!(o.observed.usage.total_context, None);
+}
+
 // ---- property tests ----------------------------------------------------
 
 fn cases_from_env(default: u32) -> u32 {
