@@ -243,7 +243,9 @@ mod tests {
     #[test]
     fn unfinished_event_is_offered_at_finish() {
         let mut s = SseScanner::new();
-        s.feed(b"event: e\ndata: {\"a\":1}", &mut |_| panic!("not complete"));
+        s.feed(b"event: e\ndata: {\"a\":1}", &mut |_| {
+            panic!("not complete")
+        });
         let e = s.finish().expect("pending event");
         assert_eq!(e.name, Some("e"));
         assert_eq!(e.data, b"{\"a\":1}");

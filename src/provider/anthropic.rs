@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, session_budget_message, Api, CountedField, ErrorShape, Observed, Provider,
+    ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -46,7 +47,7 @@ impl Provider for Anthropic {
         match event {
             Some(e) => matches!(e, "message_start" | "message_delta" | "error"),
             // No event names (a non-stream body, or a proxy that dropped them).
-            None => has_member(data, b"\"usage\"") || has_member(data, b"\"error\""),
+            None => has_member(data, &USAGE) || has_member(data, &ERROR),
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
@@ -123,7 +124,10 @@ mod tests {
             r#"{"error":{"message":"prompt is too long: 211180 tokens > 200000 maximum","type":"invalid_request_error"},"type":"error"}"#
         );
         let v: Value = serde_json::from_slice(&Anthropic.error_body(
-            ErrorShape::SessionBudget { spent: 9, budget: 8 },
+            ErrorShape::SessionBudget {
+                spent: 9,
+                budget: 8,
+            },
             "session-budget",
             "over",
         ))

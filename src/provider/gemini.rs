@@ -3,7 +3,10 @@
 
 use serde_json::Value;
 
-use super::{count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Usage};
+use super::{
+    count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Usage, ERROR,
+    USAGE_METADATA,
+};
 use crate::inspect::RequestView;
 
 pub struct Gemini;
@@ -49,7 +52,7 @@ impl Provider for Gemini {
         count(&cfg, "maxOutputTokens")
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        has_member(data, b"\"usageMetadata\"") || has_member(data, b"\"error\"")
+        has_member(data, &USAGE_METADATA) || has_member(data, &ERROR)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if json.get("error").is_some_and(|e| !e.is_null()) {
@@ -118,7 +121,8 @@ mod tests {
         assert!(Gemini.matches_path(p));
         assert_eq!(Gemini.model(p, &v).as_deref(), Some("gemini-2.5-flash"));
         assert!(Gemini.is_stream(p, Some("alt=sse"), &v));
-        let p = "/v1/projects/x/locations/us/publishers/google/models/gemini-2.5-pro:generateContent";
+        let p =
+            "/v1/projects/x/locations/us/publishers/google/models/gemini-2.5-pro:generateContent";
         assert_eq!(Gemini.model(p, &v).as_deref(), Some("gemini-2.5-pro"));
         assert!(!Gemini.is_stream(p, None, &v));
         let v = RequestView::parse(br#"{"generationConfig":{"maxOutputTokens":512}}"#).unwrap();

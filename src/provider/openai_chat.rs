@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape, Observed,
-    Provider, Usage,
+    Provider, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -46,7 +46,7 @@ impl Provider for OpenAiChat {
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         // With injection every chunk carries `"usage":null`: only a real object counts.
-        has_member(data, b"\"usage\"") || has_member(data, b"\"error\"")
+        has_member(data, &USAGE) || has_member(data, &ERROR)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if truthy(json.get("error")) {
@@ -68,7 +68,11 @@ fn usage(u: &Value) -> Usage {
     Usage {
         input,
         cached_input: details.and_then(|d| count(d, "cached_tokens")),
-        cache_creation: Some(details.and_then(|d| count(d, "cache_write_tokens")).unwrap_or(0)),
+        cache_creation: Some(
+            details
+                .and_then(|d| count(d, "cache_write_tokens"))
+                .unwrap_or(0),
+        ),
         output: count(u, "completion_tokens"),
         total_context: input,
     }
@@ -93,13 +97,19 @@ mod tests {
             r#"{"error":{"code":"context_length_exceeded","message":"This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens. Please reduce the length of the messages.","param":"messages","type":"invalid_request_error"}}"#
         );
         let v: Value = serde_json::from_slice(&OpenAiChat.error_body(
-            ErrorShape::SessionBudget { spent: 5, budget: 4 },
+            ErrorShape::SessionBudget {
+                spent: 5,
+                budget: 4,
+            },
             "session-budget",
             "x",
         ))
         .unwrap();
         assert_eq!(v["error"]["code"], "session_budget_exceeded");
-        assert!(v["error"]["message"].as_str().unwrap().starts_with("session_budget_exceeded:"));
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("session_budget_exceeded:"));
         let v: Value = serde_json::from_slice(&OpenAiChat.error_body(
             ErrorShape::Generic { status: 502 },
             "upstream-connect",
