@@ -453,12 +453,11 @@ fn cases_from_env(default: u32) -> u32 {
         .unwrap_or(default)
 }
 
-fn scan_all(
-    chunks: &[&[u8]],
-) -> (
-    Vec<(Option<String>, Vec<u8>)>,
-    Option<(Option<String>, Vec<u8>)>,
-) {
+/// An event as (name, data), owned.
+type Owned = (Option<String>, Vec<u8>);
+
+/// Events dispatched, and the unfinished one offered at the end.
+fn scan_all(chunks: &[&[u8]]) -> (Vec<Owned>, Option<Owned>) {
     let mut s = SseScanner::new();
     let mut out = Vec::new();
     for c in chunks {

@@ -90,7 +90,7 @@ impl Provider for Anthropic {
                     404 => "not_found_error",
                     413 => "request_too_large",
                     429 => "rate_limit_error",
-                    400..=499 => "invalid_request_error",
+                    s if (400..500).contains(&s) => "invalid_request_error",
                     504 => "timeout_error",
                     _ => "api_error",
                 },
