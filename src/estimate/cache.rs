@@ -174,7 +174,13 @@ mod tests {
         let c = Cache::new(budget);
         for i in 0..200_000u128 {
             let k = i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
-            c.put(k, Counted { tokens: 1, chars: 1 });
+            c.put(
+                k,
+                Counted {
+                    tokens: 1,
+                    chars: 1,
+                },
+            );
             if i % 1000 == 0 {
                 assert!(c.bytes() <= budget, "over budget at {i}");
             }

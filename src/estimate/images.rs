@@ -121,8 +121,8 @@ pub fn openai_tokens(size: Option<Size>, detail: Detail, model: Option<&str>) ->
                 // Shrink so the patch grid fits 1536, keeping the aspect ratio.
                 let s = (1536.0 * 32.0 * 32.0 / (w * h)).sqrt();
                 let (sw, sh) = (w * s, h * s);
-                let s2 = s * ((sw / 32.0).floor() / (sw / 32.0))
-                    .min((sh / 32.0).floor() / (sh / 32.0));
+                let s2 =
+                    s * ((sw / 32.0).floor() / (sw / 32.0)).min((sh / 32.0).floor() / (sh / 32.0));
                 ((w * s2) / 32.0).ceil() * ((h * s2) / 32.0).ceil()
             } else {
                 raw
@@ -190,8 +190,12 @@ impl B64<'_> {
         let bytes = STANDARD
             .decode(chunk)
             .or_else(|_| {
-                base64::engine::general_purpose::STANDARD_NO_PAD
-                    .decode(chunk.strip_suffix(b"==").or(chunk.strip_suffix(b"=")).unwrap_or(chunk))
+                base64::engine::general_purpose::STANDARD_NO_PAD.decode(
+                    chunk
+                        .strip_suffix(b"==")
+                        .or(chunk.strip_suffix(b"="))
+                        .unwrap_or(chunk),
+                )
             })
             .ok()?;
         let skip = off - q0 * 3;
@@ -318,9 +322,18 @@ mod tests {
         let s = |w, h| Some(Size { w, h });
         // OpenAI's vision guide: 1024x1024 high = 765; 2048x4096 high = 1105;
         // low = 85 whatever the size.
-        assert_eq!(openai_tokens(s(1024, 1024), Detail::High, Some("gpt-4o")), 765);
-        assert_eq!(openai_tokens(s(2048, 4096), Detail::High, Some("gpt-4o")), 1105);
-        assert_eq!(openai_tokens(s(4096, 8192), Detail::Low, Some("gpt-4o")), 85);
+        assert_eq!(
+            openai_tokens(s(1024, 1024), Detail::High, Some("gpt-4o")),
+            765
+        );
+        assert_eq!(
+            openai_tokens(s(2048, 4096), Detail::High, Some("gpt-4o")),
+            1105
+        );
+        assert_eq!(
+            openai_tokens(s(4096, 8192), Detail::Low, Some("gpt-4o")),
+            85
+        );
         assert_eq!(openai_tokens(s(512, 512), Detail::High, None), 255);
         assert_eq!(openai_tokens(None, Detail::High, None), OPENAI_DEFAULT);
         // Patch models: 1024x1024 -> 1024 patches; 1800x2400 -> 1452 patches.

@@ -63,7 +63,12 @@ impl Estimator {
     }
 
     /// Everything the provider will count in `req`, for `model`.
-    pub fn estimate(&self, p: &dyn Provider, req: &RequestView<'_>, model: Option<&str>) -> Estimate {
+    pub fn estimate(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+    ) -> Estimate {
         let api = p.api();
         let enc = Encoding::for_model(api, model);
         let mut sum = Sum::default();
@@ -79,9 +84,7 @@ impl Estimator {
             };
             let unit = match (api, unit) {
                 // Responses `input` is a string or a list of items.
-                (Api::OpenAiResponses, Unit::RespItem) if elements.is_none() => {
-                    Unit::RespInputText
-                }
+                (Api::OpenAiResponses, Unit::RespItem) if elements.is_none() => Unit::RespInputText,
                 _ => unit,
             };
             let mut n = 0u64;
