@@ -51,7 +51,10 @@ fn emoji(i: usize) -> String {
     format!("status {i}: 🚀✅🎉🔥🙂 done 👩‍💻🧪📦 next ➡️ 🇳🇴🇯🇵 ").repeat(8)
 }
 
-const KINDS: [(&str, fn(usize) -> String); 6] = [
+/// A kind of content: its name and a maker of the `i`th sample.
+type Kind = (&'static str, fn(usize) -> String);
+
+const KINDS: [Kind; 6] = [
     ("prose", prose),
     ("cjk", cjk),
     ("json", json_blob),
