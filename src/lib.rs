@@ -43,6 +43,7 @@ pub mod provider;
 pub mod proxy;
 pub mod server;
 pub mod session;
+pub mod state;
 pub mod sse;
 pub mod tap;
 pub mod upstream;
