@@ -333,7 +333,9 @@ async fn down_at_start_then_up() {
     assert_eq!(st.begin("s", None).await.unwrap().seq, 1);
 }
 
-/// Collects log lines of the current thread's subscriber.
+/// Every log line of this test binary: one global subscriber (a scoped one
+/// can miss callsites first hit on another test's thread). A test reads the
+/// lines that name its own Redis port.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
@@ -348,28 +350,45 @@ impl Write for Logs {
 }
 
 impl Logs {
-    fn text(&self) -> String {
+    fn global() -> &'static Logs {
+        static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Logs::default();
+            let writer = logs.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || writer.clone())
+                .finish();
+            tracing::subscriber::set_global_default(subscriber).expect("one global subscriber");
+            logs
+        })
+    }
+    fn all(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
-    fn count(&self, needle: &str) -> usize {
-        self.text().lines().filter(|l| l.contains(needle)).count()
+    /// Lines about the backend at `port`.
+    fn about(&self, port: u16) -> Vec<String> {
+        let tag = format!("127.0.0.1:{port}/");
+        self.all()
+            .lines()
+            .filter(|l| l.contains(&tag))
+            .map(str::to_owned)
+            .collect()
+    }
+    fn count(&self, port: u16, level: &str, needle: &str) -> usize {
+        self.about(port)
+            .iter()
+            .filter(|l| l.contains(level) && l.contains(needle))
+            .count()
     }
 }
 
-// Current-thread runtime: the probe task and the redis driver run on this
-// thread, under this test's log subscriber.
 #[tokio::test]
 async fn outage_is_loud_once_bounded_and_recovers() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-
+    let logs = Logs::global();
     let mut server = Server::start_on(free_port(), Some("s3cr3t-pw"));
+    let port = server.port;
     let (a, b) = (replica(&server).await, replica(&server).await);
     let sid = "s-outage";
     let before = a.begin(sid, None).await.unwrap();
@@ -398,17 +417,9 @@ async fn outage_is_loud_once_bounded_and_recovers() {
     }
     assert!(!a.healthy() && !b.healthy());
     assert!(tidemark::metrics::get().state_errors.get() > errors_before);
-    let warns = logs.count("state backend unreachable");
-    // One per replica: each `RedisState` is one backend (a process has one).
-    assert!(warns <= 2, "one WARN per outage per backend, got {warns}:\n{}", logs.text());
-    assert_eq!(
-        logs.text()
-            .lines()
-            .filter(|l| l.contains("WARN") && l.contains("state backend unreachable"))
-            .filter(|l| l.contains(&format!("127.0.0.1:{}", server.port)))
-            .count(),
-        warns
-    );
+    // One WARN per backend: each `RedisState` here stands for one replica.
+    let warns = logs.count(port, "WARN", "state backend unreachable");
+    assert_eq!(warns, 2, "one WARN per outage per replica:\n{:?}", logs.about(port));
 
     // Redis comes back on the same port, empty (no persistence).
     server.spawn();
@@ -423,7 +434,8 @@ async fn outage_is_loud_once_bounded_and_recovers() {
     let after = b.begin(sid, None).await.unwrap();
     assert_eq!(after.record.as_deref(), Some(&b"late"[..]));
     assert!(after.seq > before.seq + 5);
-    assert_eq!(logs.count("state backend recovered"), warns);
-    assert!(!logs.text().contains("s3cr3t-pw"), "no credentials in logs");
-    assert!(!logs.text().contains(sid), "no session ids in outage logs");
+    assert_eq!(logs.count(port, "INFO", "state backend recovered"), 2);
+    assert_eq!(logs.count(port, "WARN", "state backend unreachable"), 2);
+    assert!(!logs.all().contains("s3cr3t-pw"), "no credentials in logs");
+    assert!(!logs.all().contains(sid), "no session ids in outage logs");
 }
