@@ -33,7 +33,9 @@ fn start_redis() -> (Server, u16) {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start redis-server ({e}): apt-get install -y redis-server"));
+        .unwrap_or_else(|e| {
+            panic!("cannot start redis-server ({e}): apt-get install -y redis-server")
+        });
     let server = Server(child);
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {

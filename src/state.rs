@@ -27,14 +27,15 @@
 //!
 //! # Outages
 //!
-//! Every operation is bounded by [`OP_TIMEOUT`]. The first failure of an
-//! outage logs one WARN and marks the backend unhealthy; from then on
+//! Every operation is bounded by [`OP_TIMEOUT`]. A connection error, or
+//! [`SLOW_OUTAGE`] timeouts in a row, start an outage: one WARN, and the
+//! backend is unhealthy; from then on
 //! operations fail at once (the caller falls back to local state) while one
 //! background probe PINGs every [`PROBE_INTERVAL`] until Redis answers, then
 //! logs one INFO `state backend recovered`. Each failed operation counts in
 //! `tidemark_state_backend_errors_total`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -45,6 +46,8 @@ use tokio::sync::OnceCell;
 
 /// Bound on one operation on the hot path, connection wait included.
 pub const OP_TIMEOUT: Duration = Duration::from_millis(100);
+/// Timeouts in a row that make an outage; a connection error makes one at once.
+pub const SLOW_OUTAGE: u32 = 3;
 /// Pause between two PINGs of the background probe during an outage.
 pub const PROBE_INTERVAL: Duration = Duration::from_millis(200);
 /// Bound on one TCP (and TLS) connect to Redis.
@@ -209,6 +212,8 @@ struct Inner {
     warned_reply: AtomicBool,
     /// One background probe at a time.
     probing: AtomicBool,
+    /// Operations in a row that timed out.
+    slow: AtomicU32,
     /// `host:port/db`, for logs: never the password.
     target: String,
     begin: Script,
@@ -360,6 +365,7 @@ impl RedisState {
                 warned: AtomicBool::new(false),
                 warned_reply: AtomicBool::new(false),
                 probing: AtomicBool::new(false),
+                slow: AtomicU32::new(0),
                 target,
                 begin: Script::new(BEGIN_LUA),
                 store: Script::new(STORE_LUA),
@@ -385,27 +391,27 @@ impl RedisState {
         let mkey = model.map(model_key);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
-                let mut pipe = redis::pipe();
-                pipe.cmd("EVALSHA")
-                    .arg(inner.begin.get_hash())
-                    .arg(3)
-                    .arg(&keys[..])
-                    .arg(inner.ttl_ms);
-                if let Some(k) = &mkey {
-                    pipe.cmd("HMGET").arg(k).arg("cold").arg("marginal");
+            let mut pipe = redis::pipe();
+            pipe.cmd("EVALSHA")
+                .arg(inner.begin.get_hash())
+                .arg(3)
+                .arg(&keys[..])
+                .arg(inner.ttl_ms);
+            if let Some(k) = &mkey {
+                pipe.cmd("HMGET").arg(k).arg("cold").arg("marginal");
+            }
+            let mut out: Vec<Value> = match pipe.query_async(&mut conn).await {
+                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                    inner.load_scripts(&mut conn).await?;
+                    pipe.query_async(&mut conn).await?
                 }
-                let mut out: Vec<Value> = match pipe.query_async(&mut conn).await {
-                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                        inner.load_scripts(&mut conn).await?;
-                        pipe.query_async(&mut conn).await?
-                    }
-                    r => r?,
-                };
-                let m = if mkey.is_some() { out.pop() } else { None };
-                let s = out.pop().ok_or(StateError::Protocol("begin: no reply"))?;
-                Ok(parse_begin(s, m)?)
-            })
-            .await
+                r => r?,
+            };
+            let m = if mkey.is_some() { out.pop() } else { None };
+            let s = out.pop().ok_or(StateError::Protocol("begin: no reply"))?;
+            Ok(parse_begin(s, m)?)
+        })
+        .await
     }
 
     /// Stores `record` as the session's record if `seq` (from [`begin`]) is
@@ -413,16 +419,21 @@ impl RedisState {
     /// stored: false means a newer request (or a delete) got there first.
     ///
     /// [`begin`]: RedisState::begin
-    pub async fn store(&self, session_id: &str, seq: u64, record: &[u8]) -> Result<bool, StateError> {
+    pub async fn store(
+        &self,
+        session_id: &str,
+        seq: u64,
+        record: &[u8],
+    ) -> Result<bool, StateError> {
         let keys = session_keys(session_id);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
-                let mut inv = inner.store.key(&keys[1]);
-                inv.key(&keys[0]).arg(seq).arg(record).arg(inner.ttl_ms);
-                let stored: i64 = inv.invoke_async(&mut conn).await?;
-                Ok(stored == 1)
-            })
-            .await
+            let mut inv = inner.store.key(&keys[1]);
+            inv.key(&keys[0]).arg(seq).arg(record).arg(inner.ttl_ms);
+            let stored: i64 = inv.invoke_async(&mut conn).await?;
+            Ok(stored == 1)
+        })
+        .await
     }
 
     /// Adds to the session's cumulative token counters. Increments, not a
@@ -437,19 +448,19 @@ impl RedisState {
         let keys = session_keys(session_id);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
-                let k = &keys[2];
-                let mut pipe = redis::pipe();
-                pipe.atomic();
-                // HINCRBY takes a signed 64-bit increment.
-                for (field, n) in [("i", input), ("c", cached), ("o", output)] {
-                    let n = i64::try_from(n).unwrap_or(i64::MAX);
-                    pipe.cmd("HINCRBY").arg(k).arg(field).arg(n).ignore();
-                }
-                pipe.cmd("PEXPIRE").arg(k).arg(inner.ttl_ms).ignore();
-                pipe.query_async::<()>(&mut conn).await?;
-                Ok(())
-            })
-            .await
+            let k = &keys[2];
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            // HINCRBY takes a signed 64-bit increment.
+            for (field, n) in [("i", input), ("c", cached), ("o", output)] {
+                let n = i64::try_from(n).unwrap_or(i64::MAX);
+                pipe.cmd("HINCRBY").arg(k).arg(field).arg(n).ignore();
+            }
+            pipe.cmd("PEXPIRE").arg(k).arg(inner.ttl_ms).ignore();
+            pipe.query_async::<()>(&mut conn).await?;
+            Ok(())
+        })
+        .await
     }
 
     /// Feeds one observed ratio into the model's shared calibration field:
@@ -469,15 +480,15 @@ impl RedisState {
         let key = model_key(model);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
-                let mut inv = inner.learn.key(&key);
-                inv.arg(field.as_str())
-                    .arg(sample)
-                    .arg(alpha)
-                    .arg(ms(MODEL_TTL));
-                let v: Value = inv.invoke_async(&mut conn).await?;
-                Ok(f64_of(&v)?.ok_or(StateError::Protocol("learn: no value"))?)
-            })
-            .await
+            let mut inv = inner.learn.key(&key);
+            inv.arg(field.as_str())
+                .arg(sample)
+                .arg(alpha)
+                .arg(ms(MODEL_TTL));
+            let v: Value = inv.invoke_async(&mut conn).await?;
+            Ok(f64_of(&v)?.ok_or(StateError::Protocol("learn: no value"))?)
+        })
+        .await
     }
 
     /// Sets the model's shared calibration field (no smoothing): for a caller
@@ -500,12 +511,12 @@ impl RedisState {
         let keys = session_keys(session_id);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
-                let mut inv = inner.delete.key(&keys[0]);
-                inv.key(&keys[1]).arg(inner.ttl_ms);
-                let _: i64 = inv.invoke_async(&mut conn).await?;
-                Ok(())
-            })
-            .await
+            let mut inv = inner.delete.key(&keys[0]);
+            inv.key(&keys[1]).arg(inner.ttl_ms);
+            let _: i64 = inv.invoke_async(&mut conn).await?;
+            Ok(())
+        })
+        .await
     }
 
     /// False during an outage and until Redis first answers. `/readyz` reports it.
@@ -545,18 +556,28 @@ impl RedisState {
                 .await
                 .map_err(|e| Failure::Outage(StateError::Redis(describe(&e))))?;
             op(conn).await.map_err(|e| match e {
-                OpError::Redis(e) if is_outage(&e) => Failure::Outage(StateError::Redis(describe(&e))),
+                OpError::Redis(e) if is_outage(&e) => {
+                    Failure::Outage(StateError::Redis(describe(&e)))
+                }
                 OpError::Redis(e) => Failure::Reply(StateError::Redis(describe(&e))),
                 OpError::State(e) => Failure::Reply(e),
             })
         };
         let failure = match tokio::time::timeout(OP_TIMEOUT, attempt).await {
-            Ok(Ok(v)) => return Ok(v),
+            Ok(Ok(v)) => {
+                self.inner.slow.store(0, Ordering::Relaxed);
+                return Ok(v);
+            }
             Ok(Err(f)) => f,
+            // One late answer is a hiccup (a busy host); a run of them is an outage.
+            Err(_) if self.inner.slow.fetch_add(1, Ordering::AcqRel) + 1 < SLOW_OUTAGE => {
+                Failure::Slow(StateError::Timeout)
+            }
             Err(_) => Failure::Outage(StateError::Timeout),
         };
         crate::metrics::get().state_errors.inc();
         match failure {
+            Failure::Slow(e) => Err(e),
             Failure::Outage(e) => {
                 self.inner.outage(&e.to_string());
                 self.start_probe();
@@ -594,6 +615,7 @@ impl From<RedisError> for StateError {
 /// An operation's failure, split by whether it means Redis is unreachable.
 enum Failure {
     Outage(StateError),
+    Slow(StateError),
     Reply(StateError),
 }
 
@@ -629,6 +651,7 @@ impl Inner {
     }
 
     fn recovered(&self) {
+        self.slow.store(0, Ordering::Relaxed);
         self.healthy.store(true, Ordering::Release);
         if self.warned.swap(false, Ordering::AcqRel) {
             tracing::info!(target_redis = %self.target, "state backend recovered");
@@ -645,7 +668,6 @@ impl Inner {
             Ok(Ok(()))
         )
     }
-
 }
 
 /// What an operation body returns on failure.

@@ -122,7 +122,10 @@ async fn two_replicas_share_one_global_order() {
         // The other replica sees what this one stored.
         let other = if i % 2 == 0 { &b } else { &a };
         let seen = other.begin(sid, None).await.expect("begin");
-        assert_eq!(seen.record.as_deref(), Some(format!("rec-{last}").as_bytes()));
+        assert_eq!(
+            seen.record.as_deref(),
+            Some(format!("rec-{last}").as_bytes())
+        );
         assert_eq!(seen.record_seq, last);
         last = seen.seq;
     }
@@ -139,8 +142,14 @@ async fn an_older_request_never_overwrites_a_newer_anchor() {
     let new = b.begin(sid, None).await.unwrap();
     assert!(new.seq > old.seq);
     assert!(b.store(sid, new.seq, b"new").await.unwrap());
-    assert!(!a.store(sid, old.seq, b"old").await.unwrap(), "older seq refused");
-    assert!(!a.store(sid, new.seq, b"same").await.unwrap(), "equal seq refused");
+    assert!(
+        !a.store(sid, old.seq, b"old").await.unwrap(),
+        "older seq refused"
+    );
+    assert!(
+        !a.store(sid, new.seq, b"same").await.unwrap(),
+        "equal seq refused"
+    );
     let now = a.begin(sid, None).await.unwrap();
     assert_eq!(now.record.as_deref(), Some(&b"new"[..]));
     assert_eq!(now.record_seq, new.seq);
@@ -268,7 +277,10 @@ async fn keys_are_namespaced_and_expire_with_the_session() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    assert!(pttl > TTL.as_millis() as i64, "model key outlives sessions: {pttl}");
+    assert!(
+        pttl > TTL.as_millis() as i64,
+        "model key outlives sessions: {pttl}"
+    );
     // A huge client-controlled id becomes a digest, not a huge key.
     let long = "x".repeat(10_000);
     a.begin(&long, None).await.unwrap();
@@ -327,7 +339,10 @@ async fn down_at_start_then_up() {
     let _server = Server::start_on(port, None);
     let deadline = Instant::now() + Duration::from_secs(5);
     while !st.healthy() {
-        assert!(Instant::now() < deadline, "not healthy 5 s after Redis came up");
+        assert!(
+            Instant::now() < deadline,
+            "not healthy 5 s after Redis came up"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(st.begin("s", None).await.unwrap().seq, 1);
@@ -419,13 +434,21 @@ async fn outage_is_loud_once_bounded_and_recovers() {
     assert!(tidemark::metrics::get().state_errors.get() > errors_before);
     // One WARN per backend: each `RedisState` here stands for one replica.
     let warns = logs.count(port, "WARN", "state backend unreachable");
-    assert_eq!(warns, 2, "one WARN per outage per replica:\n{:?}", logs.about(port));
+    assert_eq!(
+        warns,
+        2,
+        "one WARN per outage per replica:\n{:?}",
+        logs.about(port)
+    );
 
     // Redis comes back on the same port, empty (no persistence).
     server.spawn();
     let deadline = Instant::now() + Duration::from_secs(5);
     while !(a.healthy() && b.healthy()) {
-        assert!(Instant::now() < deadline, "not healthy 5 s after Redis came back");
+        assert!(
+            Instant::now() < deadline,
+            "not healthy 5 s after Redis came back"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // A request begun before the outage still stores, and the order stays
@@ -438,4 +461,49 @@ async fn outage_is_loud_once_bounded_and_recovers() {
     assert_eq!(logs.count(port, "WARN", "state backend unreachable"), 2);
     assert!(!logs.all().contains("s3cr3t-pw"), "no credentials in logs");
     assert!(!logs.all().contains(sid), "no session ids in outage logs");
+}
+
+#[tokio::test]
+async fn a_hung_redis_costs_at_most_the_bound_then_fails_fast() {
+    let mut server = Server::start();
+    let a = replica(&server).await;
+    let pid = server.child.as_ref().expect("running").id().to_string();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    // Each call waits at most OP_TIMEOUT; a run of SLOW_OUTAGE of them is an outage.
+    for i in 0..tidemark::state::SLOW_OUTAGE {
+        assert!(a.healthy(), "still healthy after {i} timeouts");
+        let t = Instant::now();
+        assert_eq!(a.begin("s-hung", None).await, Err(StateError::Timeout));
+        assert!(
+            t.elapsed() < OP_TIMEOUT + Duration::from_millis(100),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    assert!(!a.healthy());
+    let t = Instant::now();
+    assert_eq!(a.begin("s-hung", None).await, Err(StateError::Unavailable));
+    assert!(
+        t.elapsed() < Duration::from_millis(5),
+        "fails fast during an outage"
+    );
+    signal("-CONT");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !a.healthy() {
+        assert!(
+            Instant::now() < deadline,
+            "not healthy 5 s after Redis resumed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(a.begin("s-hung", None).await.is_ok());
+    server.kill();
 }
