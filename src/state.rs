@@ -688,18 +688,16 @@ impl From<StateError> for OpError {
     }
 }
 
-fn probe_loop(weak: Weak<Inner>) -> impl std::future::Future<Output = ()> {
-    async move {
-        loop {
-            let Some(inner) = weak.upgrade() else { return };
-            if inner.ping_once().await {
-                inner.probing.store(false, Ordering::Release);
-                inner.recovered();
-                return;
-            }
-            inner.outage("no answer to PING");
-            drop(inner);
-            tokio::time::sleep(PROBE_INTERVAL).await;
+async fn probe_loop(weak: Weak<Inner>) {
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.ping_once().await {
+            inner.probing.store(false, Ordering::Release);
+            inner.recovered();
+            return;
         }
+        inner.outage("no answer to PING");
+        drop(inner);
+        tokio::time::sleep(PROBE_INTERVAL).await;
     }
 }
