@@ -507,3 +507,27 @@ async fn a_hung_redis_costs_at_most_the_bound_then_fails_fast() {
     assert!(a.begin("s-hung", None).await.is_ok());
     server.kill();
 }
+
+#[tokio::test]
+async fn a_lost_counter_never_goes_back_under_the_record() {
+    let server = Server::start();
+    let a = replica(&server).await;
+    let sid = "s-lost-counter";
+    let mut last = 0;
+    for _ in 0..5 {
+        last = a.begin(sid, None).await.unwrap().seq;
+    }
+    assert!(a.store(sid, last, b"r5").await.unwrap());
+    // The counter alone expires (its TTL is refreshed at begin, the record's
+    // at store) or is evicted.
+    let mut raw = raw(&server).await;
+    let n: i64 = redis::cmd("DEL")
+        .arg(format!("tidemark:v1:{{{sid}}}:seq"))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let next = a.begin(sid, None).await.unwrap();
+    assert_eq!(next.seq, last + 1, "above the stored record's sequence");
+    assert!(a.store(sid, next.seq, b"r6").await.unwrap());
+}
