@@ -636,7 +636,7 @@ async fn api_request(
                         api,
                         src,
                         model.as_deref(),
-                        cut_key,
+                        cut_key.as_deref(),
                         &mut ins,
                         reserve,
                         w,
@@ -651,6 +651,10 @@ async fn api_request(
                             window: w,
                         };
                         return reject(state, p, ins, &err);
+                    }
+                    // Only a cut that was forwarded is remembered.
+                    if let Some(k) = cut_key {
+                        remember_cut(state, k, t.cut.clone());
                     }
                     m.trimmed_tokens
                         .with_label_values(&[api.as_str(), &ins.model_label])
@@ -796,7 +800,7 @@ fn trim_request(
     api: Api,
     body: &[u8],
     model: Option<&str>,
-    cut_key: Option<String>,
+    cut_key: Option<&str>,
     ins: &mut Inspected,
     reserve: u64,
     window: u64,
@@ -812,19 +816,19 @@ fn trim_request(
     };
     let need = ((cfg.trim_to * window as f64) as u64).saturating_sub(reserve);
     let keep = ((cfg.limit_at * window as f64) as u64).saturating_sub(reserve);
-    let prior = cut_key
-        .as_ref()
-        .and_then(|k| state.cuts.get(k).map(|c| c.clone()));
+    let prior = cut_key.and_then(|k| state.cuts.get(k).map(|c| c.clone()));
     let t = trim::trim_sticky(api, body, &measure, need, keep, prior.as_ref())?;
     let est = state.estimator.estimate_body(api, &t.body, model)?;
     state.sessions.reproject(&mut ins.begun, est.tokens);
-    if let Some(k) = cut_key {
-        if state.cuts.len() >= cfg.max_sessions.max(1) {
-            state.cuts.clear();
-        }
-        state.cuts.insert(k, t.cut.clone());
-    }
     Some(t)
+}
+
+/// Remember a session's cut for its next request, bounded by `--max-sessions`.
+fn remember_cut(state: &State, key: String, cut: Cut) {
+    if state.cuts.len() >= state.config.max_sessions.max(1) && !state.cuts.contains_key(&key) {
+        state.cuts.clear();
+    }
+    state.cuts.insert(key, cut);
 }
 
 /// `--exact-cold-start`: ask the provider's counting endpoint, with the

@@ -608,6 +608,33 @@ async fn trim_case(case: &TrimCase) {
         2,
         "{api}: an untrimmable request was forwarded"
     );
+
+    // The same in the trimmed session: the conversation plus a huge paste
+    // is rejected, and the rejected attempt does not move the session's cut.
+    let mut s3 = s2.clone();
+    s3.steps.push(Step::Assistant("ok".into()));
+    s3.steps
+        .push(Step::User(trim_support::text(8, (window as usize) * 8)));
+    let (p4, _) = post_session(&c, &proxy.url(case.path), &session, request(case, &s3)).await;
+    assert_reject_headers(&p4, window);
+    assert_eq!(up.seen.count(), 2, "{api}: the huge paste was forwarded");
+    let mut s4 = s2.clone();
+    s4.steps.push(Step::Assistant("ok".into()));
+    s4.steps.push(Step::User("a short question instead".into()));
+    let b4 = request(case, &s4);
+    let (p5, _) = post_session(&c, &proxy.url(case.path), &session, b4.clone()).await;
+    assert_eq!(p5.status, 200);
+    let (_, f4) = up.seen.last();
+    if let Err(e) = check_trimmed(case.api, &b4, &f4) {
+        panic!("{api}: third forwarded body invalid: {e}");
+    }
+    let e2 = raw_elements(case.api, &f2);
+    let (off, last) = e2.last().unwrap();
+    let end = off + last.len();
+    assert!(
+        f4.len() > end && f2[..end] == f4[..end],
+        "{api}: a rejected trim moved the sticky cut"
+    );
     proxy.stop().await;
 }
 
