@@ -812,3 +812,91 @@ async fn trim_then_inject_usage_on_a_chat_stream() {
     assert_eq!(sv["last_real"], n, "{sv}");
     proxy.stop().await;
 }
+
+/// An upstream that refuses `stream_options` gets the trimmed body again,
+/// without the option: the retry never resends the untrimmed request.
+#[tokio::test]
+async fn trim_survives_the_stream_options_retry() {
+    let s = agent_script(24, 1, 600);
+    let mut v: Value = serde_json::from_slice(&render(Api::OpenAiChat, &s, false)).unwrap();
+    v["model"] = json!("gpt-4o-retry");
+    v["stream"] = json!(true);
+    let b = serde_json::to_vec(&v).unwrap();
+    let window = upstream_count("/v1/chat/completions", &b).unwrap() / 3;
+    let inner = provider();
+    let up = upstream(std::sync::Arc::new(move |req: Request<Bytes>| {
+        let inner = std::sync::Arc::clone(&inner);
+        Box::pin(async move {
+            if memchr::memmem::find(req.body(), b"stream_options").is_some() {
+                let mut r = http::Response::new(full(
+                    r#"{"error":{"message":"Unrecognized request argument supplied: stream_options","type":"invalid_request_error","param":null,"code":null}}"#,
+                ));
+                *r.status_mut() = http::StatusCode::BAD_REQUEST;
+                return r;
+            }
+            inner(req).await
+        }) as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>
+    }))
+    .await;
+    let windows = format!("gpt-4o-retry={window}");
+    let proxy = proxy(
+        &up.url(),
+        &["--context-window", &windows, "--on-over", "trim"],
+    )
+    .await;
+    let (p, body) = post_session(
+        &client_h1(),
+        &proxy.url("/v1/chat/completions"),
+        "retry",
+        b.clone(),
+    )
+    .await;
+    assert_eq!(p.status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(hdr(&p, "x-context-trimmed").is_some());
+    let seen = up.seen.requests.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "one refused attempt, one retry");
+    let (first, retry) = (&seen[0].1, &seen[1].1);
+    assert!(memchr::memmem::find(retry, b"stream_options").is_none());
+    check_trimmed(Api::OpenAiChat, &b, retry).unwrap();
+    let fv: Value = serde_json::from_slice(first).unwrap();
+    let rv: Value = serde_json::from_slice(retry).unwrap();
+    assert_eq!(fv["messages"], rv["messages"], "the retry is the same trim");
+    proxy.stop().await;
+}
+
+/// A gzip-encoded request is trimmed from its decoded body and forwarded
+/// as plain JSON without `content-encoding`.
+#[tokio::test]
+async fn trim_a_gzip_request() {
+    use std::io::Write;
+    let case = &TrimCase {
+        model: "gpt-4o-gz",
+        ..CASES[0]
+    };
+    let s = agent_script(24, 1, 600);
+    let b = request(case, &s);
+    let window = upstream_count(case.path, &b).unwrap() / 3;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&b).unwrap();
+    let gz = gz.finish().unwrap();
+    let up = upstream(provider()).await;
+    let windows = format!("{}={window}", case.model);
+    let proxy = proxy(
+        &up.url(),
+        &["--context-window", &windows, "--on-over", "trim"],
+    )
+    .await;
+    let req = Request::post(proxy.url(case.path))
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .header("x-session-id", "gz")
+        .body(full(gz))
+        .unwrap();
+    let (p, _) = send(&client_h1(), req).await;
+    assert_eq!(p.status, 200);
+    assert!(hdr(&p, "x-context-trimmed").is_some());
+    let (parts, f) = up.seen.last();
+    assert!(parts.headers.get("content-encoding").is_none());
+    check_trimmed(case.api, &b, &f).unwrap();
+    proxy.stop().await;
+}
