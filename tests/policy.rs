@@ -197,6 +197,15 @@ async fn proxy(up: &str, extra: &[&str]) -> Proxy {
     support::proxy(up, &args).await
 }
 
+async fn over_budget(proxy: &Proxy, api: &str, model: &str, action: &str) -> f64 {
+    metric(
+        proxy,
+        "tidemark_over_budget_total",
+        &[("api", api), ("model", model), ("action", action)],
+    )
+    .await
+}
+
 /// The first bare integer of a header value (`183211;src=...` -> 183211).
 fn lead_int(s: &str) -> u64 {
     s.split(|c: char| !c.is_ascii_digit())
@@ -587,6 +596,10 @@ async fn trim_case(case: &TrimCase) {
         steps: vec![Step::User(trim_support::text(7, (window as usize) * 8))],
         breakpoints: 0,
     };
+    let (trims, rejects) = (
+        over_budget(&proxy, api, case.model, "trim").await,
+        over_budget(&proxy, api, case.model, "reject").await,
+    );
     let (p3, b3) = post_session(
         &c,
         &proxy.url(case.path),
@@ -594,14 +607,27 @@ async fn trim_case(case: &TrimCase) {
         request(case, &huge),
     )
     .await;
-    assert_reject_headers(&p3, window);
+    let proj = assert_reject_headers(&p3, window);
+    assert!(proj > limit);
     let v: Value = serde_json::from_slice(&b3).unwrap();
     if case.api == Api::Anthropic {
-        let m = v["error"]["message"].as_str().unwrap();
-        assert!(m.starts_with("prompt is too long: "), "{m}");
+        assert_eq!(
+            v["error"]["message"],
+            format!("prompt is too long: {proj} tokens > {window} maximum")
+        );
     } else {
-        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+        assert_eq!(openai_reject_numbers(&b3), (proj, window));
     }
+    assert_eq!(
+        over_budget(&proxy, api, case.model, "trim").await,
+        trims,
+        "{api}: a failed trim counted as a trim"
+    );
+    assert_eq!(
+        over_budget(&proxy, api, case.model, "reject").await,
+        rejects + 1.0,
+        "{api}: a failed trim is a reject"
+    );
     assert!(hdr(&p3, "x-context-trimmed").is_none());
     assert_eq!(
         up.seen.count(),
