@@ -446,6 +446,7 @@ async fn warning_header_at_the_line() {
 
 // ---------------------------------------------------------------- trim
 
+#[derive(Clone, Copy)]
 struct TrimCase {
     api: Api,
     path: &'static str,
@@ -677,6 +678,54 @@ async fn trim_anthropic_end_to_end() {
 #[tokio::test]
 async fn trim_responses_end_to_end() {
     trim_case(&CASES[2]).await;
+}
+
+/// Big old tool outputs go first: elided with a visible marker, the turns
+/// kept, and the result valid and under the line by the upstream's count.
+#[tokio::test]
+async fn trim_elides_oversized_tool_results_first() {
+    let s = agent_script(10, 2, 1200);
+    let cases: Vec<TrimCase> = CASES
+        .iter()
+        .zip(["gpt-4o-el", "claude-el", "gpt-5-el"])
+        .map(|(c, model)| TrimCase { model, ..*c })
+        .collect();
+    let mut windows = Vec::new();
+    for c in &cases {
+        let w = upstream_count(c.path, &request(c, &s)).unwrap() * 2 / 3;
+        windows.push(format!("{}={w}", c.model));
+    }
+    let up = upstream(provider()).await;
+    let windows = windows.join(",");
+    let proxy = proxy(
+        &up.url(),
+        &["--context-window", &windows, "--on-over", "trim"],
+    )
+    .await;
+    for c in &cases {
+        let b = request(c, &s);
+        let window = upstream_count(c.path, &b).unwrap() * 2 / 3;
+        let (p, _) = post_session(&client_h1(), &proxy.url(c.path), c.model, b.clone()).await;
+        let api = c.api.as_str();
+        assert_eq!(p.status, 200, "{api}");
+        let t = hdr(&p, "x-context-trimmed").expect("trimmed");
+        let [before, after, _, tool_results] = trimmed_fields(t);
+        assert!(tool_results > 0 && before > after, "{api}: {t}");
+        let (_, f) = up.seen.last();
+        if let Err(e) = check_trimmed(c.api, &b, &f) {
+            panic!("{api}: {e}");
+        }
+        assert!(
+            memchr::memmem::find(&f, b"[tidemark: elided ").is_some(),
+            "{api}: no marker"
+        );
+        let n: u64 = hdr(&p, X_SIM_PROMPT_TOKENS).unwrap().parse().unwrap();
+        assert!(
+            n as f64 <= 0.95 * window as f64,
+            "{api}: upstream counts {n}, window {window}"
+        );
+    }
+    proxy.stop().await;
 }
 
 /// Anthropic with the client's four breakpoints: the trimmed request keeps at most four.
