@@ -565,7 +565,10 @@ impl Sessions {
         } else {
             mcal
         };
-        let ratio = rec.marginal.or(mcal.marginal).unwrap_or(1.0);
+        // Before the session has learned its own marginal ratio, the model's
+        // (marginal, else whole-request cold) ratio is a better guess for new
+        // content than 1: after a trim the gap to the next body can be large.
+        let ratio = rec.marginal.or(mcal.marginal).or(mcal.cold).unwrap_or(1.0);
         let (ruler, mut src, cold) = match rec.anchor {
             Some(a) => (
                 Ruler {
@@ -981,7 +984,7 @@ impl Drop for Sessions {
 /// ratio, else the model's cold ratio, else the raw estimate.
 fn cold_ruler(reference: Option<(u64, u64)>, marginal: Option<f64>, m: &ModelCal) -> (Ruler, Src) {
     if let Some((real, est)) = reference {
-        let ratio = marginal.or(m.marginal).unwrap_or(1.0);
+        let ratio = marginal.or(m.marginal).or(m.cold).unwrap_or(1.0);
         return (
             Ruler {
                 base_real: real as f64,
