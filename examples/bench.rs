@@ -51,7 +51,7 @@ async fn upstream() -> SocketAddr {
                 let svc = service_fn(|req: Request<Incoming>| async move {
                     let path = req.uri().path().to_string();
                     let _ = req.into_body().collect().await;
-                    let resp: Response<Body> = if path.ends_with("/stream/chat/completions") {
+                    let resp: Response<Body> = if path.contains("/stream/") {
                         let s = futures_util::stream::iter(
                             stream_chunks(20)
                                 .into_iter()
@@ -61,7 +61,7 @@ async fn upstream() -> SocketAddr {
                             .header("content-type", "text/event-stream")
                             .body(StreamBody::new(s).boxed_unsync())
                             .unwrap()
-                    } else if path.ends_with("/slow/chat/completions") {
+                    } else if path.contains("/slow/") {
                         let s = futures_util::stream::unfold(0u8, |i| async move {
                             match i {
                                 0 => {
@@ -274,7 +274,7 @@ fn main() {
         println!("note: nginx not found (apt-get install nginx-light); its column is skipped");
     }
 
-    let scenarios: [(&str, &str, &Bytes, usize, bool); 4] = [
+    let scenarios: [(&str, &str, &Bytes, usize, bool); 5] = [
         (
             "small non-stream, 32 conc",
             "/v1/chat/completions",
@@ -285,6 +285,15 @@ fn main() {
         (
             "20-chunk stream, 32 conc",
             "/v1/stream/chat/completions",
+            &stream,
+            32,
+            false,
+        ),
+        (
+            // The same stream on a path tidemark does not read: no inspect,
+            // no session, no tap. The difference to the row above is their cost.
+            "20-chunk stream, untapped",
+            "/v1/stream/raw",
             &stream,
             32,
             false,
@@ -306,8 +315,8 @@ fn main() {
     ];
     println!("tidemark bench: {secs}s per cell, upstream/proxy/load each on its own 2-thread runtime, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     println!(
-        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>9}",
-        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs nginx"
+        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9}",
+        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx"
     );
     for (name, path, body, conc, ttfb) in scenarios {
         // Warm up the pools and the estimator's cache once per target.
@@ -327,17 +336,23 @@ fn main() {
             .iter()
             .find(|(t, _)| *t == "nginx")
             .map(|(_, s)| s.rps);
+        let direct_rps = results
+            .iter()
+            .find(|(t, _)| *t == "direct")
+            .map(|(_, s)| s.rps)
+            .unwrap_or(f64::NAN);
         for (tname, s) in &results {
             let vs = nginx_rps
                 .map(|n| format!("{:.2}x", s.rps / n))
                 .unwrap_or_else(|| "-".into());
             println!(
-                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9}",
+                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9.2}x {:>9}",
                 name,
                 tname,
                 s.rps,
                 s.p50.as_secs_f64() * 1e3,
                 s.p99.as_secs_f64() * 1e3,
+                s.rps / direct_rps,
                 vs
             );
         }
