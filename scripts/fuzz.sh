@@ -10,20 +10,21 @@
 set -euo pipefail
 secs="${1:-60}"
 shift || true
-cd "$(dirname "$0")/../tests/fuzz"
+cd "$(dirname "$0")/.."
+fz=(--fuzz-dir tests/fuzz)
 if [ "$#" -gt 0 ]; then
   targets=("$@")
 else
-  mapfile -t targets < <(cargo +nightly fuzz list)
+  mapfile -t targets < <(cargo +nightly fuzz list "${fz[@]}")
 fi
 seed_corpus() {
   # Start each corpus from the wire fixtures (response bodies) or nothing.
-  local t="$1" dir="corpus/$1"
+  local t="$1" dir="tests/fuzz/corpus/$1"
   mkdir -p "$dir"
   [ -n "$(ls -A "$dir" 2>/dev/null)" ] && return
   case "$t" in
     sse|usage)
-      for f in ../fixtures/*/*.sse ../fixtures/*/*.ndjson ../fixtures/*/*.json; do
+      for f in tests/fixtures/*/*.sse tests/fixtures/*/*.ndjson tests/fixtures/*/*.json; do
         [ -f "$f" ] || continue
         { printf '\x00'; cat "$f"; } > "$dir/$(basename "$(dirname "$f")")-$(basename "$f")"
       done ;;
@@ -38,7 +39,7 @@ summary=()
 for t in "${targets[@]}"; do
   seed_corpus "$t"
   log="$(mktemp)"
-  if cargo +nightly fuzz run "$t" "corpus/$t" -- -max_total_time="$secs" -rss_limit_mb=2048 -max_len=65536 >"$log" 2>&1; then
+  if cargo +nightly fuzz run "${fz[@]}" "$t" "tests/fuzz/corpus/$t" -- -max_total_time="$secs" -rss_limit_mb=2048 -max_len=65536 >"$log" 2>&1; then
     result="ok"
   else
     result="CRASH (see tests/fuzz/artifacts/$t/)"
