@@ -486,8 +486,10 @@ async fn ten_thousand_mixed_requests_with_disconnects_and_resets() {
     let (parts, _) = support::get(&support::client_h1(), &px.admin_url("/readyz")).await;
     assert_eq!(parts.status, 200);
     px.stop().await;
+    // About 27 s in debug on an idle 2-core machine, 52 s with the machine
+    // under a load of 20; the bound catches a hang, not a slow machine.
     assert!(
-        started.elapsed() < Duration::from_secs(60),
+        started.elapsed() < Duration::from_secs(150),
         "the soak is bounded: {:?}",
         started.elapsed()
     );
