@@ -95,8 +95,15 @@ pin_project! {
         idle_timeout: Duration,
         watch: Option<Box<Watch>>,
         done: bool,
+        // An upstream error held back for one poll (see `poll_frame`).
+        deferred: Option<BoxError>,
     }
 }
+
+/// How long an upstream error waits behind the bytes that preceded it: the
+/// server writes them out (h2 frames are written by the connection task,
+/// after the stream handed them over) before the reset discards its queue.
+const ERROR_FLUSH_DELAY: Duration = Duration::from_millis(25);
 
 #[derive(Debug)]
 struct IdleTimeout;
@@ -116,6 +123,7 @@ impl ObservedBody {
             idle_timeout: Duration::ZERO,
             watch: None,
             done: false,
+            deferred: None,
         }
     }
 
@@ -126,6 +134,7 @@ impl ObservedBody {
             idle_timeout,
             watch: Some(Box::new(watch)),
             done: false,
+            deferred: None,
         }
     }
 
@@ -148,6 +157,14 @@ impl Body for ObservedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let mut this = self.project();
+        if this.deferred.is_some() {
+            if let Some(idle) = this.idle.as_mut().as_pin_mut() {
+                if idle.poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            return Poll::Ready(this.deferred.take().map(Err));
+        }
         if *this.done {
             return Poll::Ready(None);
         }
@@ -186,7 +203,22 @@ impl Body for ObservedBody {
                     if let Some(mut w) = this.watch.take() {
                         w.finish(false, true, false);
                     }
-                    return Poll::Ready(Some(Err(e)));
+                    // The error makes the server abort the connection (h1) or
+                    // reset the stream (h2), dropping whatever it has buffered
+                    // but not yet written. Hold the error back a moment so the
+                    // bytes received before it reach the client first.
+                    *this.deferred = Some(e);
+                    match this.idle.as_mut().as_pin_mut() {
+                        Some(mut idle) => {
+                            let at = tokio::time::Instant::now() + ERROR_FLUSH_DELAY;
+                            idle.as_mut().reset(at);
+                            if idle.poll(cx).is_ready() {
+                                return Poll::Ready(this.deferred.take().map(Err));
+                            }
+                        }
+                        None => cx.waker().wake_by_ref(),
+                    }
+                    return Poll::Pending;
                 }
                 Poll::Ready(Some(Ok(frame))) => {
                     let Some(w) = this.watch.as_mut() else {
@@ -240,6 +272,9 @@ impl Body for ObservedBody {
     }
 
     fn is_end_stream(&self) -> bool {
+        if self.deferred.is_some() {
+            return false;
+        }
         self.done || (self.watch.is_none() && self.inner.is_end_stream())
     }
 

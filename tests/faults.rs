@@ -365,6 +365,44 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client() {
+    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
+    let up = faulty::start(faulty::handler(move |_req| {
+        let (tx, body) = faulty::channel();
+        let _ = senders_tx.send(tx);
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(body)
+            .unwrap()
+    }))
+    .await;
+    let px = support::proxy(&up.url(), &[]).await;
+    let last =
+        Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"last words\"}}]}\n\n");
+    for round in 0..20 {
+        for (proto, client) in [("h1", client_h1()), ("h2c", client_h2c())] {
+            let req = Request::post(px.url(CHAT))
+                .header("content-type", "application/json")
+                .body(full(chat_body(true)))
+                .unwrap();
+            let resp = within(10, client.request(req)).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
+            // The chunk and the failure back to back, as a dying upstream sends them.
+            tx.send(Ok(last.clone())).await.unwrap();
+            tx.send(Err(Box::new(faulty::Injected))).await.unwrap();
+            let (got, errored) = drain(resp.into_body()).await;
+            assert_eq!(
+                got, last,
+                "round {round} {proto}: the last chunk was delivered"
+            );
+            assert!(errored, "round {round} {proto}");
+        }
+    }
+    px.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() {
     let (dropped_tx, mut dropped_rx) = mpsc::unbounded_channel::<()>();
     struct OnDrop(mpsc::UnboundedSender<()>);

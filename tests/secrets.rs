@@ -137,6 +137,9 @@ fn upstream_handler(reply: String) -> support::Handler {
     })
 }
 
+/// (url, credential headers, session header, body).
+type Case<'a> = (String, Vec<(&'a str, &'a str)>, Option<&'a str>, String);
+
 fn req(
     url: &str,
     auth: &[(&str, &str)],
@@ -263,7 +266,7 @@ async fn no_log_line_or_admin_response_carries_a_credential_or_conversation_text
     let mut statuses = Vec::new();
     for client in [client_h1(), client_h2c()] {
         // Successful requests on every API, fingerprinted and with session headers.
-        let cases: Vec<(String, Vec<(&str, &str)>, Option<&str>, String)> = vec![
+        let cases: Vec<Case> = vec![
             (
                 format!("{base}/v1/chat/completions"),
                 vec![("authorization", &bearer)],

@@ -54,6 +54,26 @@ pub fn then_reset(chunks: Vec<Bytes>) -> FBody {
     StreamBody::new(s).boxed_unsync()
 }
 
+/// Like [`then_reset`], but the body pauses (yields once) before each chunk
+/// and before failing, so the upstream server flushes the response head and
+/// every chunk first: the proxy sees a reset after a prefix, not before headers.
+pub fn then_reset_flushed(chunks: Vec<Bytes>) -> FBody {
+    let items: Vec<Result<Bytes, BoxError>> = chunks
+        .into_iter()
+        .map(Ok)
+        .chain(std::iter::once(Err(Box::new(Injected) as BoxError)))
+        .collect();
+    let s = futures_util::stream::unfold(items.into_iter(), |mut it| async move {
+        let item = it.next()?;
+        // Give the server's write path a turn: what was sent so far goes out.
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        Some((item.map(Frame::data), it))
+    });
+    StreamBody::new(s).boxed_unsync()
+}
+
 /// A body that sends `chunks` in order and ends.
 pub fn chunks(chunks: Vec<Bytes>) -> FBody {
     let s = futures_util::stream::iter(
@@ -65,11 +85,16 @@ pub fn chunks(chunks: Vec<Bytes>) -> FBody {
 }
 
 /// A body fed from a channel. `Sender::closed` resolves once the upstream
-/// server dropped the body: the proxy went away.
+/// server dropped the body: the proxy went away. Every item is flushed to
+/// the wire before the next one is taken, errors included.
 pub fn channel() -> (mpsc::Sender<Result<Bytes, BoxError>>, FBody) {
     let (tx, rx) = mpsc::channel::<Result<Bytes, BoxError>>(16);
     let s = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|r| (r.map(Frame::data), rx))
+        let item = rx.recv().await?;
+        // Pause once so the server writes out what it has before this item
+        // (an error aborts the connection, dropping unwritten bytes).
+        tokio::task::yield_now().await;
+        Some((item.map(Frame::data), rx))
     });
     (tx, StreamBody::new(s).boxed_unsync())
 }
@@ -114,6 +139,12 @@ impl Faulty {
 /// Start a faulty upstream (HTTP/1.1 and h2c). Requests whose body fails are
 /// counted and not passed to the handler.
 pub async fn start(handler: FHandler) -> Faulty {
+    start_with(handler, true).await
+}
+
+/// As [`start`]; with `record` false the requests are counted but not kept
+/// (a soak would otherwise measure the test upstream's own memory).
+pub async fn start_with(handler: FHandler, record: bool) -> Faulty {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Seen::default();
@@ -141,8 +172,10 @@ pub async fn start(handler: FHandler) -> Faulty {
                                 return Ok::<_, Infallible>(Response::new(full("")));
                             }
                         };
-                        if let Ok(mut r) = seen.requests.lock() {
-                            r.push((parts.clone(), bytes.clone()));
+                        if record {
+                            if let Ok(mut r) = seen.requests.lock() {
+                                r.push((parts.clone(), bytes.clone()));
+                            }
                         }
                         Ok::<_, Infallible>(h(Request::from_parts(parts, bytes)).await)
                     }
