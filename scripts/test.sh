@@ -23,3 +23,10 @@ fi
 
 cargo build --tests --all-targets
 cargo test --all-targets -- --test-threads=2
+
+# The SSE scanner and every provider's parser under 100,000 random inputs and
+# chunkings each (issue 3's fuzz bar; cargo-fuzz targets: scripts/fuzz.sh).
+PROPTEST_CASES=100000 cargo test --test usage_fixtures -- readers_never_panic scanner_random
+
+# The README's main command, with a short script.
+cargo run --release -- demo --turns 6
