@@ -14,13 +14,17 @@
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and parsed into a
 //!    borrowed view of raw top-level JSON slices. Not JSON: forwarded as it
 //!    came, with no projection.
-//! 4. **Estimate** (`estimate.rs`): each message is tokenized once and cached
-//!    by a hash of its bytes, so a new turn costs only its own tokens.
-//! 5. **Session** (`session.rs`): a session key (header or fingerprint),
-//!    the anchor from the last response, calibration, and the projection
-//!    `anchor.real + (estimate - anchor.estimate) * calibration`.
-//! 6. **Policy** (`proxy.rs`, `policy.rs`/`trim.rs`): session budget, then
-//!    pass / reject (in the provider's own error shape) / trim.
+//! 4. **Estimate** (`estimate/`): each message is tokenized once (bpe-openai,
+//!    the model family's encoding) and cached by an xxh3 of its bytes, so a
+//!    new turn costs only its own tokens; images are sized from their headers.
+//! 5. **Session** (`session.rs`, `window.rs`): a session key (header or
+//!    fingerprint), the anchor from the last response, calibration, and the
+//!    projection `anchor.real + (estimate - anchor.estimate) * calibration`.
+//!    With `--state redis://` the session record lives in Redis (`state.rs`)
+//!    so replicas share it; `--exact-cold-start` asks the provider's counter.
+//! 6. **Policy** (`proxy.rs`, `trim.rs`): session budget, then pass / reject
+//!    (in the provider's own error shape) / trim (turn-aware, sticky cut,
+//!    re-projected with the same ruler, rejected if still over).
 //! 7. **Upstream** (`upstream.rs`): hop-by-hop headers dropped, the OpenAI chat
 //!    usage option injected (`inject.rs`), one pooled rustls client with HTTP/2
 //!    by ALPN, connect and response-header timeouts.
@@ -31,6 +35,9 @@
 //! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
 //!    hang-up, the session is anchored (or the loss is made loud) and the drift
 //!    is exported (`metrics.rs`, every metric name in one file).
+//!
+//! `tidemark demo` (`demo.rs`) runs all of this against a simulated provider
+//! (`sim.rs`) that counts with a different tokenizer, so the drift is real.
 #![forbid(unsafe_code)]
 
 pub mod config;
