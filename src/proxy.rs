@@ -73,6 +73,8 @@ pub enum ProxyError {
     BodyTooLarge,
     /// The client's body could not be read (client gone or broken framing).
     ClientBody,
+    /// The client stopped sending its body (silent past `--header-read-timeout`).
+    ClientTimeout,
     /// The upstream could not be reached or failed before answering.
     Upstream(UpstreamError),
     /// The projection is over the line and the policy is reject (or a trim could not shrink enough).
@@ -86,6 +88,7 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBody => StatusCode::BAD_REQUEST,
+            ProxyError::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
             ProxyError::Upstream(UpstreamError::Timeout) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::ContextBudget { .. } | ProxyError::SessionBudget { .. } => {
@@ -97,6 +100,7 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge => "body-too-large",
             ProxyError::ClientBody => "client-body",
+            ProxyError::ClientTimeout => "client-timeout",
             ProxyError::Upstream(u) => u.header_kind(),
             ProxyError::ContextBudget { .. } => "context-budget",
             ProxyError::SessionBudget { .. } => "session-budget",
@@ -108,6 +112,7 @@ impl ProxyError {
                 format!("request body exceeds the proxy's limit of {max_body} bytes")
             }
             ProxyError::ClientBody => "the request body could not be read".to_string(),
+            ProxyError::ClientTimeout => "the client stopped sending the request body".to_string(),
             ProxyError::Upstream(UpstreamError::Connect) => {
                 "tidemark could not connect to the upstream".to_string()
             }
@@ -268,6 +273,37 @@ async fn passthrough(
                 .with_label_values(&["other", &m.model_label(None), err.status().as_str()])
                 .inc();
             error_response(&err, shape, state.config.max_body_bytes)
+        }
+    }
+}
+
+/// Read a request body whole: at most `--max-body-bytes`, no silence longer
+/// than `--header-read-timeout` between frames (a client trickling its body
+/// cannot hold a connection forever), and all of it within `--upstream-timeout`.
+async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
+    let mut body = Limited::new(body, cfg.max_body_bytes);
+    let mut buf = bytes::BytesMut::new();
+    let deadline = tokio::time::Instant::now() + cfg.upstream_timeout;
+    loop {
+        let silence = tokio::time::Instant::now() + cfg.header_read_timeout;
+        let frame = match tokio::time::timeout_at(silence.min(deadline), body.frame()).await {
+            Err(_) => return Err(ProxyError::ClientTimeout),
+            Ok(None) => return Ok(buf.freeze()),
+            Ok(Some(Err(e))) => {
+                return Err(
+                    if e.downcast_ref::<http_body_util::LengthLimitError>()
+                        .is_some()
+                    {
+                        ProxyError::BodyTooLarge
+                    } else {
+                        ProxyError::ClientBody
+                    },
+                )
+            }
+            Ok(Some(Ok(f))) => f,
+        };
+        if let Ok(d) = frame.into_data() {
+            buf.extend_from_slice(&d);
         }
     }
 }
@@ -518,18 +554,16 @@ async fn api_request(
         m.limits_hit.with_label_values(&["body"]).inc();
         return error_response(&ProxyError::BodyTooLarge, p, cfg.max_body_bytes);
     }
-    let body = match Limited::new(body, cfg.max_body_bytes).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) => {
-            let err = if e
-                .downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
-                m.limits_hit.with_label_values(&["body"]).inc();
-                ProxyError::BodyTooLarge
-            } else {
-                ProxyError::ClientBody
-            };
+    let body = match read_body(body, cfg).await {
+        Ok(b) => b,
+        Err(err) => {
+            match err {
+                ProxyError::BodyTooLarge => m.limits_hit.with_label_values(&["body"]).inc(),
+                ProxyError::ClientTimeout => {
+                    m.limits_hit.with_label_values(&["body_timeout"]).inc()
+                }
+                _ => {}
+            }
             return error_response(&err, p, cfg.max_body_bytes);
         }
     };

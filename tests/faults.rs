@@ -955,3 +955,28 @@ async fn graceful_shutdown_drains_an_in_flight_stream_and_refuses_new_connection
     // Still refused after run returned.
     assert!(TcpStream::connect(addr).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_trickling_its_body_gets_408_and_nothing_is_forwarded() {
+    let up = support::upstream(support::handler(|_r| ok_json())).await;
+    let px = support::proxy(&up.url(), &["--header-read-timeout", "1s"]).await;
+    let before = limits_hit(&px, "body_timeout").await;
+    let start = Instant::now();
+    // The head promises 200 bytes; ten arrive, then silence.
+    let req = format!(
+        "POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n{{\"model\":"
+    );
+    let answer = raw_exchange(px.addr, req.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "got: {answer}");
+    assert!(
+        answer.contains("x-tidemark-error: client-timeout"),
+        "{answer}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "cut off by the silence bound"
+    );
+    assert_eq!(up.seen.count(), 0, "a partial body is never forwarded");
+    assert_eq!(limits_hit(&px, "body_timeout").await, before + 1.0);
+    assert_ready(&px).await;
+}
