@@ -917,7 +917,6 @@ impl Sessions {
                 "at": rfc3339(a.at_ms),
             })),
             "projection": r.projection,
-            "src": r.src.as_str(),
             "last_real": r.last_real,
             "window": r.window,
             "utilization": utilization(r).map(|u| (u * 1000.0).round() / 1000.0),
