@@ -124,12 +124,11 @@ impl Provider for Gemini {
             ErrorShape::Generic { status } => (
                 status,
                 match status {
-                    400 => "INVALID_ARGUMENT",
-                    413 => "INVALID_ARGUMENT",
+                    400 | 413 => "INVALID_ARGUMENT",
                     429 => "RESOURCE_EXHAUSTED",
                     504 => "DEADLINE_EXCEEDED",
                     502 | 503 => "UNAVAILABLE",
-                    400..=499 => "FAILED_PRECONDITION",
+                    s if (400..500).contains(&s) => "FAILED_PRECONDITION",
                     _ => "INTERNAL",
                 },
                 format!("{message} ({kind})"),
