@@ -1168,3 +1168,104 @@ async fn warning_at_and_above_warn_at() {
     assert!((u - util).abs() < 1e-9, "{w} vs {p:?}");
     assert_eq!(at, "at=0.8");
 }
+
+// ---------------------------------------------------------------------------
+// Gemini and Ollama: the recorded wire formats replayed with a usage the test
+// controls (1.2x tidemark's own estimate plus hidden framing).
+
+fn replay_upstream() -> support::Handler {
+    let gemini: Value =
+        serde_json::from_slice(&support::fixture("gemini/nonstream_basic.json")).unwrap();
+    let ollama: Value =
+        serde_json::from_slice(&support::fixture("ollama/api_chat_nonstream.json")).unwrap();
+    let est = Arc::new(tidemark::estimate::Estimator::new(1 << 20));
+    support::handler(move |req| {
+        let path = req.uri().path().to_string();
+        let gem = path.contains(":generateContent");
+        let api = if gem {
+            tidemark::provider::Api::Gemini
+        } else {
+            tidemark::provider::Api::Ollama
+        };
+        let e = est
+            .estimate_body(api, req.body(), None)
+            .map(|e| e.tokens)
+            .unwrap_or(0);
+        let turns = serde_json::from_slice::<Value>(req.body())
+            .ok()
+            .and_then(|v| {
+                v.get(if gem { "contents" } else { "messages" })
+                    .and_then(Value::as_array)
+                    .map(Vec::len)
+            })
+            .unwrap_or(0) as u64;
+        let real = (e as f64 * 1.2).round() as u64 + 30 + 4 * turns;
+        let mut v = if gem { gemini.clone() } else { ollama.clone() };
+        if gem {
+            v["usageMetadata"]["promptTokenCount"] = json!(real);
+            v["usageMetadata"]["totalTokenCount"] = json!(real + 14);
+        } else {
+            v["prompt_eval_count"] = json!(real);
+        }
+        http::Response::builder()
+            .header("content-type", "application/json")
+            .header(X_SIM_PROMPT_TOKENS, real.to_string())
+            .body(full(v.to_string()))
+            .unwrap()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_and_ollama_sessions_anchor_and_calibrate() {
+    let up = support::upstream(replay_upstream()).await;
+    let px = support::proxy(&up.url(), &[]).await;
+    let c = support::client_h1();
+    for gem in [true, false] {
+        let mut g = Gen(if gem { 101 } else { 102 });
+        let system: String = (0..10).map(|i| dense(&mut g, i)).collect();
+        let mut turns: Vec<(&str, String)> = vec![("user", dense(&mut g, 1))];
+        let key = if gem { "gemini-1" } else { "ollama-1" };
+        for turn in 1..=12 {
+            let (url, body) = if gem {
+                let contents: Vec<Value> = turns
+                    .iter()
+                    .map(|(r, t)| json!({"role": if *r == "user" { "user" } else { "model" }, "parts":[{"text":t}]}))
+                    .collect();
+                (
+                    px.url("/v1beta/models/gemini-2.5-flash:generateContent"),
+                    json!({"systemInstruction":{"parts":[{"text":system}]},"contents":contents}),
+                )
+            } else {
+                let mut m = vec![json!({"role":"system","content":system})];
+                m.extend(turns.iter().map(|(r, t)| json!({"role":r,"content":t})));
+                (
+                    px.url("/api/chat"),
+                    json!({"model":"llama3.2","stream":false,"messages":m}),
+                )
+            };
+            let r = call(&c, &url, &body, &[("x-session-id", key)]).await;
+            assert_eq!(r.status(), 200, "{key} turn {turn}");
+            let p = r.projection();
+            if turn == 1 {
+                assert!(is_cold(&p.src), "{key}: {p:?}");
+            } else {
+                assert_eq!(p.src, "anchored", "{key} turn {turn}: {p:?}");
+            }
+            if turn >= 3 {
+                let e = err_pct(p.tokens, r.real());
+                assert!(
+                    e <= 1.0,
+                    "{key} turn {turn}: {p:?} vs {} ({e:.2}%)",
+                    r.real()
+                );
+            }
+            turns.push(("assistant", dense(&mut g, turn + 2)));
+            turns.push(("user", dense(&mut g, turn)));
+        }
+        let s = admin_json(&c, &px.admin_url(&format!("/sessions/{key}"))).await;
+        assert_eq!(s["turns"], 12, "{s}");
+        let cal = s["calibration"].as_f64().unwrap();
+        assert!((cal - 1.2).abs() < 0.05, "learned the 1.2 ratio: {s}");
+    }
+    px.stop().await;
+}
