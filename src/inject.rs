@@ -6,7 +6,7 @@ use bytes::BytesMut;
 use memchr::memmem;
 
 use crate::inspect::RequestView;
-use crate::provider::has_member;
+use crate::provider::{CHOICES, USAGE};
 use crate::sse::MAX_EVENT_BYTES;
 
 /// The request body with `stream_options.include_usage: true` added by a
@@ -165,20 +165,32 @@ impl UsageStripper {
 
 /// One complete event (its blank line included), minus what the option added.
 fn emit(ev: &[u8], out: &mut BytesMut) {
-    let Some(k) = memmem::find(ev, b"\"usage\"") else {
-        out.extend_from_slice(ev);
-        return;
-    };
-    if usage_only(ev) {
-        return;
-    }
-    match null_usage_member(ev, k) {
-        Some((a, b)) => {
-            out.extend_from_slice(&ev[..a]);
-            out.extend_from_slice(&ev[b..]);
+    // One pass over the `"usage"` keys: the first with a null or object value decides.
+    for k in USAGE.find_iter(ev) {
+        let i = skip_ws(ev, k + USAGE.needle().len());
+        if ev.get(i) != Some(&b':') {
+            continue;
         }
-        None => out.extend_from_slice(ev),
+        let v = skip_ws(ev, i + 1);
+        if ev[v..].starts_with(b"null") {
+            match null_member_span(ev, k, v + 4) {
+                Some((a, b)) => {
+                    out.extend_from_slice(&ev[..a]);
+                    out.extend_from_slice(&ev[b..]);
+                }
+                None => out.extend_from_slice(ev),
+            }
+            return;
+        }
+        if ev.get(v) == Some(&b'{') {
+            // A usage object: the chunk the option added when `choices` is empty.
+            if !empty_choices(ev) {
+                out.extend_from_slice(ev);
+            }
+            return;
+        }
     }
+    out.extend_from_slice(ev);
 }
 
 fn skip_ws(s: &[u8], mut i: usize) -> usize {
@@ -188,10 +200,10 @@ fn skip_ws(s: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// The chunk `include_usage` adds: `"choices":[]` and a usage object.
-fn usage_only(ev: &[u8]) -> bool {
-    let empty_choices = memmem::find_iter(ev, b"\"choices\"").any(|at| {
-        let i = skip_ws(ev, at + 9);
+/// `"choices":[]`, whitespace allowed.
+fn empty_choices(ev: &[u8]) -> bool {
+    CHOICES.find_iter(ev).any(|at| {
+        let i = skip_ws(ev, at + CHOICES.needle().len());
         if ev.get(i) != Some(&b':') {
             return false;
         }
@@ -201,39 +213,27 @@ fn usage_only(ev: &[u8]) -> bool {
         }
         let i = skip_ws(ev, i + 1);
         ev.get(i) == Some(&b']')
-    });
-    empty_choices && has_member(ev, b"\"usage\"")
+    })
 }
 
-/// The byte range of a `"usage":null` member with its separating comma.
-fn null_usage_member(ev: &[u8], first: usize) -> Option<(usize, usize)> {
-    let mut from = first;
-    loop {
-        let k = from + memmem::find(&ev[from..], b"\"usage\"")?;
-        let i = skip_ws(ev, k + 7);
-        if ev.get(i) == Some(&b':') {
-            let v = skip_ws(ev, i + 1);
-            if ev[v..].starts_with(b"null") {
-                let end = v + 4;
-                // Preceded by a comma: take the comma; first member: take the one after.
-                let mut b = k;
-                while b > 0 && matches!(ev[b - 1], b' ' | b'\t' | b'\r' | b'\n') {
-                    b -= 1;
-                }
-                if b > 0 && ev[b - 1] == b',' {
-                    return Some((b - 1, end));
-                }
-                if b > 0 && ev[b - 1] == b'{' {
-                    let a = skip_ws(ev, end);
-                    if ev.get(a) == Some(&b',') {
-                        return Some((k, skip_ws(ev, a + 1)));
-                    }
-                    return Some((k, a));
-                }
-                return None;
+/// The bytes to cut for the member from key `k` to value end `end`, with
+/// its separating comma: the one before it, or for a first member the one after.
+fn null_member_span(ev: &[u8], k: usize, end: usize) -> Option<(usize, usize)> {
+    let mut b = k;
+    while b > 0 && matches!(ev[b - 1], b' ' | b'\t' | b'\r' | b'\n') {
+        b -= 1;
+    }
+    match ev[..b].last() {
+        Some(b',') => Some((b - 1, end)),
+        Some(b'{') => {
+            let a = skip_ws(ev, end);
+            if ev.get(a) == Some(&b',') {
+                Some((k, skip_ws(ev, a + 1)))
+            } else {
+                Some((k, a))
             }
         }
-        from = k + 7;
+        _ => None,
     }
 }
 

@@ -45,6 +45,7 @@ pub mod server;
 pub mod session;
 pub mod sim;
 pub mod sse;
+pub mod state;
 pub mod tap;
 pub mod trim;
 pub mod upstream;

@@ -616,41 +616,49 @@ async fn api_request(
         let projected = ins.begun.projection.tokens + reserve;
         let limit = cfg.limit_at * w as f64;
         if projected as f64 > limit {
-            let action = cfg.on_over;
-            m.over_budget
-                .with_label_values(&[api.as_str(), &ins.model_label, action.as_str()])
-                .inc();
+            let over_budget = |action: OnOver| {
+                m.over_budget
+                    .with_label_values(&[api.as_str(), &ins.model_label, action.as_str()])
+                    .inc()
+            };
             let over = ProxyError::ContextBudget {
                 projected,
                 window: w,
             };
-            match action {
-                OnOver::Pass => {}
-                OnOver::Reject => return reject(state, p, ins, &over),
+            match cfg.on_over {
+                OnOver::Pass => over_budget(OnOver::Pass),
+                OnOver::Reject => {
+                    over_budget(OnOver::Reject);
+                    return reject(state, p, ins, &over);
+                }
                 OnOver::Trim => {
-                    let Some(src) = decoded.as_ref() else {
+                    let trimmed = decoded.as_ref().and_then(|src| {
+                        trim_request(
+                            state,
+                            api,
+                            src,
+                            model.as_deref(),
+                            cut_key.as_deref(),
+                            &ins,
+                            reserve,
+                            w,
+                        )
+                    });
+                    // Re-projected with the same anchored ruler; a trim that
+                    // did not shrink below the line is never forwarded, and
+                    // the client hears about the request it sent.
+                    let Some((t, est)) = trimmed.filter(|(_, est)| {
+                        (ins.begun.ruler.measure(*est) + reserve) as f64 <= limit
+                    }) else {
+                        over_budget(OnOver::Reject);
                         return reject(state, p, ins, &over);
                     };
-                    let Some(t) = trim_request(
-                        state,
-                        api,
-                        src,
-                        model.as_deref(),
-                        cut_key,
-                        &mut ins,
-                        reserve,
-                        w,
-                    ) else {
-                        return reject(state, p, ins, &over);
-                    };
+                    over_budget(OnOver::Trim);
+                    state.sessions.reproject(&mut ins.begun, est);
                     let after = ins.begun.projection.tokens + reserve;
-                    if after as f64 > limit {
-                        // A trim that did not shrink enough is never forwarded.
-                        let err = ProxyError::ContextBudget {
-                            projected: after,
-                            window: w,
-                        };
-                        return reject(state, p, ins, &err);
+                    // Only a cut that was forwarded is remembered.
+                    if let Some(k) = cut_key {
+                        remember_cut(state, k, t.cut.clone());
                     }
                     m.trimmed_tokens
                         .with_label_values(&[api.as_str(), &ins.model_label])
@@ -788,19 +796,20 @@ async fn api_request(
 }
 
 /// `--on-over trim`: cut the request down to `--trim-to` with the session's
-/// own anchored ruler, re-project what will be sent, remember the cut.
-/// `None` when nothing can be trimmed.
+/// own anchored ruler, continuing the session's last cut. Returns the trim
+/// and the estimate of the body it produced (the caller re-projects it and
+/// decides); `None` when nothing can be trimmed.
 #[allow(clippy::too_many_arguments)]
 fn trim_request(
     state: &State,
     api: Api,
     body: &[u8],
     model: Option<&str>,
-    cut_key: Option<String>,
-    ins: &mut Inspected,
+    cut_key: Option<&str>,
+    ins: &Inspected,
     reserve: u64,
     window: u64,
-) -> Option<trim::Trimmed> {
+) -> Option<(trim::Trimmed, u64)> {
     let cfg = &state.config;
     let ruler = ins.begun.ruler;
     let measure = |b: &[u8]| -> u64 {
@@ -812,19 +821,18 @@ fn trim_request(
     };
     let need = ((cfg.trim_to * window as f64) as u64).saturating_sub(reserve);
     let keep = ((cfg.limit_at * window as f64) as u64).saturating_sub(reserve);
-    let prior = cut_key
-        .as_ref()
-        .and_then(|k| state.cuts.get(k).map(|c| c.clone()));
+    let prior = cut_key.and_then(|k| state.cuts.get(k).map(|c| c.clone()));
     let t = trim::trim_sticky(api, body, &measure, need, keep, prior.as_ref())?;
     let est = state.estimator.estimate_body(api, &t.body, model)?;
-    state.sessions.reproject(&mut ins.begun, est.tokens);
-    if let Some(k) = cut_key {
-        if state.cuts.len() >= cfg.max_sessions.max(1) {
-            state.cuts.clear();
-        }
-        state.cuts.insert(k, t.cut.clone());
+    Some((t, est.tokens))
+}
+
+/// Remember a session's cut for its next request, bounded by `--max-sessions`.
+fn remember_cut(state: &State, key: String, cut: Cut) {
+    if state.cuts.len() >= state.config.max_sessions.max(1) && !state.cuts.contains_key(&key) {
+        state.cuts.clear();
     }
-    Some(t)
+    state.cuts.insert(key, cut);
 }
 
 /// `--exact-cold-start`: ask the provider's counting endpoint, with the

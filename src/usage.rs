@@ -16,6 +16,9 @@ pub const MAX_JSON_BYTES: usize = 8 << 20;
 /// bomb, or an endless stream) reading stops.
 pub const MAX_DECODED_BYTES: u64 = 1 << 30;
 
+/// Largest zstd window the tap decodes (2^23 = 8 MiB).
+const ZSTD_WINDOW_LOG_MAX: u32 = 23;
+
 /// What a finished reader knows.
 #[derive(Debug, Clone, Default)]
 pub struct ReadOutcome {
@@ -87,7 +90,14 @@ impl UsageReader {
                 sink, 8192,
             ))),
             "zstd" => match zstd::stream::write::Decoder::new(sink) {
-                Ok(d) => Decode::Zstd(Box::new(d)),
+                Ok(mut d) => {
+                    // RFC 8878: 8 MiB windows suffice for HTTP; a larger one would
+                    // let an upstream make the tap allocate up to 128 MiB.
+                    match d.window_log_max(ZSTD_WINDOW_LOG_MAX) {
+                        Ok(()) => Decode::Zstd(Box::new(d)),
+                        Err(_) => Decode::Unreadable(unreadable_sink(p)),
+                    }
+                }
                 Err(_) => Decode::Unreadable(unreadable_sink(p)),
             },
             _ => Decode::Unreadable(unreadable_sink(p)),
@@ -124,17 +134,17 @@ impl UsageReader {
     /// The body ended (or was cut): flush the decoder, parse what is pending.
     pub fn finish(&mut self) -> ReadOutcome {
         if !self.sink().stopped {
-            let ok = match &mut self.decode {
-                Decode::Identity(_) | Decode::Unreadable(_) => true,
-                Decode::Gzip(d) => d.try_finish().is_ok(),
-                Decode::Brotli(d) => d.flush().is_ok(),
-                Decode::Zstd(d) => d.flush().is_ok(),
-                Decode::Zlib(d) => d.try_finish().is_ok(),
-                Decode::RawDeflate(d) => d.try_finish().is_ok(),
-                Decode::DeflateSniff(head, _) => head.is_empty(),
+            // Push out what the decoder holds. A body cut mid-stream fails
+            // here; that is a short read, not a parse error, and what was
+            // decoded still counts.
+            let _ = match &mut self.decode {
+                Decode::Identity(_) | Decode::Unreadable(_) | Decode::DeflateSniff(..) => Ok(()),
+                Decode::Gzip(d) => d.try_finish(),
+                Decode::Brotli(d) => d.flush(),
+                Decode::Zstd(d) => d.flush(),
+                Decode::Zlib(d) => d.try_finish(),
+                Decode::RawDeflate(d) => d.try_finish(),
             };
-            // A body cut mid-stream fails to flush; what was read still counts.
-            let _ = ok;
             self.sink_mut().finish();
         }
         let s = self.sink_mut();

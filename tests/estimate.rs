@@ -69,7 +69,8 @@ fn tokenizer_follows_the_model_family() {
     assert_eq!(f(Api::Gemini, "gemini-2.5-flash"), Encoding::O200kBase);
     assert_eq!(f(Api::Ollama, "qwen3:8b"), Encoding::Cl100kBase);
     // The same text costs differently under the two vocabularies.
-    let body = json!({"messages":[{"role":"user","content":"日本語のテキスト、中文文本，한국어 텍스트"}]});
+    let body =
+        json!({"messages":[{"role":"user","content":"日本語のテキスト、中文文本，한국어 텍스트"}]});
     let e = Estimator::new(1 << 20);
     let b = |m: &str| {
         let mut v = body.clone();
@@ -95,7 +96,11 @@ fn openai_chat_cookbook_example() {
         {"role": "system", "name": "example_assistant", "content": "Let's talk later when we're less busy about how to do better."},
         {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the client deliverable."},
     ]);
-    for (model, want) in [("gpt-3.5-turbo-0613", 129), ("gpt-4-0613", 129), ("gpt-4o", 124)] {
+    for (model, want) in [
+        ("gpt-3.5-turbo-0613", 129),
+        ("gpt-4-0613", 129),
+        ("gpt-4o", 124),
+    ] {
         let body = json!({"model": model, "messages": messages});
         assert_eq!(tokens(Api::OpenAiChat, &body), want, "{model}");
     }
@@ -106,37 +111,58 @@ fn framing_constants() {
     let one = |api, body: Value| tokens(api, &body);
     // OpenAI: 3 per message + role + content, 3 priming the reply; a name costs 1 more.
     assert_eq!(
-        one(Api::OpenAiChat, json!({"model":"gpt-4o","messages":[{"role":"user","content":""}]})),
+        one(
+            Api::OpenAiChat,
+            json!({"model":"gpt-4o","messages":[{"role":"user","content":""}]})
+        ),
         3 + o200k("user") + 3
     );
     assert_eq!(
-        one(Api::OpenAiChat, json!({"model":"gpt-4o","messages":[{"role":"user","name":"bob","content":"hi"}]})),
+        one(
+            Api::OpenAiChat,
+            json!({"model":"gpt-4o","messages":[{"role":"user","name":"bob","content":"hi"}]})
+        ),
         3 + o200k("user") + o200k("bob") + 1 + o200k("hi") + 3
     );
     // Responses: instructions and a string input are each one message.
     assert_eq!(
-        one(Api::OpenAiResponses, json!({"model":"gpt-5","instructions":"Be brief.","input":"hi"})),
+        one(
+            Api::OpenAiResponses,
+            json!({"model":"gpt-5","instructions":"Be brief.","input":"hi"})
+        ),
         (3 + 1 + o200k("Be brief.")) + (3 + 1 + o200k("hi")) + 3
     );
     // Anthropic: 3 per message + role, 3 for the reply; tools add the 346-token tool system prompt.
     let m = "claude-sonnet-4-5";
     assert_eq!(
-        one(Api::Anthropic, json!({"model":m,"system":"sys","messages":[{"role":"user","content":"hello"}]})),
+        one(
+            Api::Anthropic,
+            json!({"model":m,"system":"sys","messages":[{"role":"user","content":"hello"}]})
+        ),
         (3 + cl100k("sys")) + (3 + cl100k("user") + cl100k("hello")) + 3
     );
     let tool = json!({"name":"t","description":"d","input_schema":{"type":"object"}});
     assert_eq!(
-        one(Api::Anthropic, json!({"model":m,"tools":[tool],"messages":[]})),
+        one(
+            Api::Anthropic,
+            json!({"model":m,"tools":[tool],"messages":[]})
+        ),
         346 + cl100k(r#"{"name":"t","description":"d","input_schema":{"type":"object"}}"#) + 3
     );
     // Gemini: 3 per content + role.
     assert_eq!(
-        one(Api::Gemini, json!({"contents":[{"role":"user","parts":[{"text":"hello"}]}]})),
+        one(
+            Api::Gemini,
+            json!({"contents":[{"role":"user","parts":[{"text":"hello"}]}]})
+        ),
         3 + o200k("user") + o200k("hello") + 3
     );
     // Ollama (Llama 3 template): 4 per message + role, 5 for the reply.
     assert_eq!(
-        one(Api::Ollama, json!({"model":"llama3.1","messages":[{"role":"user","content":"hello"}]})),
+        one(
+            Api::Ollama,
+            json!({"model":"llama3.1","messages":[{"role":"user","content":"hello"}]})
+        ),
         4 + cl100k("user") + cl100k("hello") + 5
     );
 }
@@ -147,10 +173,18 @@ fn json_escapes_are_decoded_before_counting() {
     let plain = "{\"model\":\"gpt-4o\",\"messages\":[{\"role\":\"user\",\"content\":\"日本語 \\\"quoted\\\"\\n\\ttab\"}]}";
     let e = Estimator::new(1 << 20);
     let a = e.estimate_body(Api::OpenAiChat, escaped, None).unwrap();
-    let b = e.estimate_body(Api::OpenAiChat, plain.as_bytes(), None).unwrap();
+    let b = e
+        .estimate_body(Api::OpenAiChat, plain.as_bytes(), None)
+        .unwrap();
     assert_eq!(a, b);
-    assert_eq!(a.tokens, 3 + o200k("user") + o200k("日本語 \"quoted\"\n\ttab") + 3);
-    assert_eq!(a.chars, 4 + "日本語 \"quoted\"\n\ttab".chars().count() as u64);
+    assert_eq!(
+        a.tokens,
+        3 + o200k("user") + o200k("日本語 \"quoted\"\n\ttab") + 3
+    );
+    assert_eq!(
+        a.chars,
+        4 + "日本語 \"quoted\"\n\ttab".chars().count() as u64
+    );
 }
 
 // ---- every part the provider sees -------------------------------------------
@@ -267,7 +301,9 @@ fn gemini_parts() {
         (3 + o200k("Be terse."))
             + (3 + o200k("model") + 3 + o200k("get_weather") + o200k(r#"{"city":"Oslo"}"#))
             + (3 + o200k("user") + 3 + o200k("get_weather") + o200k(r#"{"temp":21}"#))
-            + o200k(r#"{"name":"get_weather","description":"Weather","parameters":{"type":"OBJECT"}}"#)
+            + o200k(
+                r#"{"name":"get_weather","description":"Weather","parameters":{"type":"OBJECT"}}"#
+            )
     );
 }
 
@@ -406,9 +442,18 @@ fn image_tokens_per_provider() {
     };
     // OpenAI's documented examples: 1024x1024 high = 765, 2048x4096 high = 1105.
     assert_eq!(chat(data_url("image/png", &png(1024, 1024)), "high"), 765);
-    assert_eq!(chat(data_url("image/jpeg", &jpeg(2048, 4096)), "auto"), 1105);
-    assert_eq!(chat(data_url("image/gif", &gif(300, 200)), "high"), 85 + 170);
-    assert_eq!(chat(data_url("image/webp", &webp_vp8(640, 480)), "high"), 85 + 2 * 170);
+    assert_eq!(
+        chat(data_url("image/jpeg", &jpeg(2048, 4096)), "auto"),
+        1105
+    );
+    assert_eq!(
+        chat(data_url("image/gif", &gif(300, 200)), "high"),
+        85 + 170
+    );
+    assert_eq!(
+        chat(data_url("image/webp", &webp_vp8(640, 480)), "high"),
+        85 + 2 * 170
+    );
     assert_eq!(chat(data_url("image/png", &png(4000, 4000)), "low"), 85);
     // Remote URL: size unknown, the documented default.
     assert_eq!(chat("https://example.com/cat.png".into(), "high"), 765);
@@ -423,7 +468,8 @@ fn image_tokens_per_provider() {
     let anth = |header: &[u8], mime: &str| {
         let with = json!({"model":"claude-sonnet-4-5","messages":[{"role":"user","content":[
             {"type":"image","source":{"type":"base64","media_type":mime,"data":payload(header)}}]}]});
-        let without = json!({"model":"claude-sonnet-4-5","messages":[{"role":"user","content":[]}]});
+        let without =
+            json!({"model":"claude-sonnet-4-5","messages":[{"role":"user","content":[]}]});
         diff(Api::Anthropic, with, without)
     };
     assert_eq!(anth(&png(200, 200), "image/png"), 54);
@@ -451,7 +497,9 @@ fn mixed_message(i: usize) -> Value {
     let content = match i % 5 {
         0 => format!("Turn {i}: please refactor the parser so it streams; keep the API stable. "),
         1 => format!("第{i}轮：请把解析器改成流式处理，并保持接口稳定。日本語も少し。"),
-        2 => format!("{{\"turn\":{i},\"rows\":[{{\"id\":1,\"ok\":true}},{{\"id\":2,\"ok\":false}}]}}"),
+        2 => format!(
+            "{{\"turn\":{i},\"rows\":[{{\"id\":1,\"ok\":true}},{{\"id\":2,\"ok\":false}}]}}"
+        ),
         3 => format!("fn step_{i}(x: u64) -> u64 {{ x.wrapping_mul(31).rotate_left(7) }} 🚀🎉"),
         _ => B64.encode(format!("binary-ish payload {i} ").repeat(8)),
     };
@@ -469,20 +517,27 @@ fn appending_a_turn_tokenizes_only_that_turn() {
     };
     let b1 = body(&messages);
     assert!(b1.len() > 100_000, "history is {} bytes", b1.len());
-    let first = e.estimate_body(Api::OpenAiChat, b1.as_bytes(), None).unwrap();
+    let first = e
+        .estimate_body(Api::OpenAiChat, b1.as_bytes(), None)
+        .unwrap();
     let s1 = e.stats();
     assert_eq!(s1.misses, 401);
 
     let new_msg = json!({"role":"user","content":"One more question about 日本語 and 🚀."});
     messages.push(new_msg.clone());
     let b2 = body(&messages);
-    let second = e.estimate_body(Api::OpenAiChat, b2.as_bytes(), None).unwrap();
+    let second = e
+        .estimate_body(Api::OpenAiChat, b2.as_bytes(), None)
+        .unwrap();
     let s2 = e.stats();
     assert_eq!(s2.misses - s1.misses, 1, "only the new message is counted");
     assert_eq!(s2.hits - s1.hits, 401);
     let new_len = new_msg.to_string().len() as u64;
     let tokenized = s2.tokenized_bytes - s1.tokenized_bytes;
-    assert!(tokenized > 0 && tokenized <= new_len, "{tokenized} > {new_len}");
+    assert!(
+        tokenized > 0 && tokenized <= new_len,
+        "{tokenized} > {new_len}"
+    );
     assert_eq!(
         second.tokens - first.tokens,
         3 + o200k("user") + o200k("One more question about 日本語 and 🚀.")
@@ -490,11 +545,15 @@ fn appending_a_turn_tokenizes_only_that_turn() {
 
     // The cached answer is the answer from scratch.
     let fresh = Estimator::new(64 << 20);
-    assert_eq!(fresh.estimate_body(Api::OpenAiChat, b2.as_bytes(), None), Some(second));
+    assert_eq!(
+        fresh.estimate_body(Api::OpenAiChat, b2.as_bytes(), None),
+        Some(second)
+    );
     // A different tokenizer does not reuse these counts.
     let b3 = b2.replacen("gpt-4o", "gpt-4-0613", 1);
     let before = e.stats().misses;
-    e.estimate_body(Api::OpenAiChat, b3.as_bytes(), None).unwrap();
+    e.estimate_body(Api::OpenAiChat, b3.as_bytes(), None)
+        .unwrap();
     assert_eq!(e.stats().misses - before, 402);
 }
 
@@ -503,8 +562,12 @@ fn cache_budget_holds_under_100k_distinct_messages() {
     let budget = 1 << 20;
     let e = Estimator::new(budget);
     for i in 0..100_000u32 {
-        let body = format!(r#"{{"model":"gpt-4o","messages":[{{"role":"user","content":"message number {i}"}}]}}"#);
-        let est = e.estimate_body(Api::OpenAiChat, body.as_bytes(), None).unwrap();
+        let body = format!(
+            r#"{{"model":"gpt-4o","messages":[{{"role":"user","content":"message number {i}"}}]}}"#
+        );
+        let est = e
+            .estimate_body(Api::OpenAiChat, body.as_bytes(), None)
+            .unwrap();
         assert!(est.tokens > 7);
         if i % 5_000 == 0 {
             assert!(e.stats().cache_bytes <= budget, "at {i}: {:?}", e.stats());
@@ -516,8 +579,10 @@ fn cache_budget_holds_under_100k_distinct_messages() {
     assert!(s.cache_entries < 100_000, "old entries were evicted: {s:?}");
     // Recent messages are still cached.
     let before = e.stats().misses;
-    let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"message number 99999"}]}"#;
-    e.estimate_body(Api::OpenAiChat, body.as_bytes(), None).unwrap();
+    let body =
+        r#"{"model":"gpt-4o","messages":[{"role":"user","content":"message number 99999"}]}"#;
+    e.estimate_body(Api::OpenAiChat, body.as_bytes(), None)
+        .unwrap();
     assert_eq!(e.stats().misses, before);
 }
 
@@ -540,7 +605,11 @@ fn every_request_fixture_has_a_nonzero_estimate() {
     let mut seen = 0;
     for dir in std::fs::read_dir(&root).unwrap() {
         let dir = dir.unwrap().path();
-        let Some(api) = dir.file_name().and_then(|d| d.to_str()).and_then(api_of_dir) else {
+        let Some(api) = dir
+            .file_name()
+            .and_then(|d| d.to_str())
+            .and_then(api_of_dir)
+        else {
             continue;
         };
         for f in std::fs::read_dir(&dir).unwrap() {
@@ -605,8 +674,16 @@ fn malformed_elements_do_not_panic() {
         Api::Ollama,
     ] {
         for field in [
-            "messages", "input", "contents", "tools", "functions", "system", "systemInstruction",
-            "instructions", "prompt", "images",
+            "messages",
+            "input",
+            "contents",
+            "tools",
+            "functions",
+            "system",
+            "systemInstruction",
+            "instructions",
+            "prompt",
+            "images",
         ] {
             let mut body = json!({"model":"m"});
             body[field] = odd.clone();
@@ -620,7 +697,9 @@ fn malformed_elements_do_not_panic() {
     // Not an object at all.
     let e = Estimator::new(1024);
     assert!(e.estimate_body(Api::OpenAiChat, b"[1,2]", None).is_none());
-    assert!(e.estimate_body(Api::OpenAiChat, b"{\"messages\":", None).is_none());
+    assert!(e
+        .estimate_body(Api::OpenAiChat, b"{\"messages\":", None)
+        .is_none());
 }
 
 mod props {
@@ -634,8 +713,14 @@ mod props {
             any::<i64>().prop_map(|n| json!(n)),
             "\\PC{0,20}".prop_map(Value::String),
             prop_oneof![
-                Just("text"), Just("image_url"), Just("tool_use"), Just("tool_result"),
-                Just("function_call"), Just("input_image"), Just("image"), Just("reasoning")
+                Just("text"),
+                Just("image_url"),
+                Just("tool_use"),
+                Just("tool_result"),
+                Just("function_call"),
+                Just("input_image"),
+                Just("image"),
+                Just("reasoning")
             ]
             .prop_map(|s| Value::String(s.into())),
         ];
@@ -645,9 +730,15 @@ mod props {
                 prop::collection::vec(
                     (
                         prop_oneof![
-                            Just("type".to_string()), Just("text".to_string()), Just("content".to_string()),
-                            Just("role".to_string()), Just("parts".to_string()), Just("image_url".to_string()),
-                            Just("source".to_string()), Just("input".to_string()), Just("function".to_string()),
+                            Just("type".to_string()),
+                            Just("text".to_string()),
+                            Just("content".to_string()),
+                            Just("role".to_string()),
+                            Just("parts".to_string()),
+                            Just("image_url".to_string()),
+                            Just("source".to_string()),
+                            Just("input".to_string()),
+                            Just("function".to_string()),
                             "[a-z]{1,6}"
                         ],
                         inner

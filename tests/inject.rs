@@ -41,9 +41,7 @@ fn with_option(no_usage: &[u8]) -> Vec<u8> {
                 if let Some(i) = v["id"].as_str() {
                     id = i.to_string();
                 }
-                let at = body
-                    .rfind(",\"obfuscation\"")
-                    .unwrap_or(body.len() - 1);
+                let at = body.rfind(",\"obfuscation\"").unwrap_or(body.len() - 1);
                 out.push_str(&body[..at]);
                 out.push_str(",\"usage\":null");
                 out.push_str(&body[at..]);
@@ -60,7 +58,10 @@ fn no_usage_streams() -> Vec<(&'static str, Vec<u8>)> {
     let crlf = String::from_utf8(chat.clone())
         .unwrap()
         .replace('\n', "\r\n")
-        .replace("\r\n\r\ndata: {\"id\"", "\r\n\r\n: OPENROUTER PROCESSING\r\n\r\ndata: {\"id\"")
+        .replace(
+            "\r\n\r\ndata: {\"id\"",
+            "\r\n\r\n: OPENROUTER PROCESSING\r\n\r\ndata: {\"id\"",
+        )
         .into_bytes();
     vec![
         ("openai-chat/stream_no_usage.sse", chat),
@@ -106,7 +107,11 @@ fn stripping_gives_back_the_stream_without_the_option_at_every_split() {
         let mut r = UsageReader::new(Api::OpenAiChat.provider(), Framing::Sse, None);
         r.feed(&with);
         let o = r.finish();
-        assert_eq!(o.observed.usage.total_context, Some(PROMPT_TOKENS), "{name}");
+        assert_eq!(
+            o.observed.usage.total_context,
+            Some(PROMPT_TOKENS),
+            "{name}"
+        );
         assert_eq!(o.parse_errors, 0);
     }
 }
@@ -188,17 +193,18 @@ async fn client_gets_the_plain_stream_and_the_proxy_gets_usage() {
     let c = client_h1();
 
     // A client that did not ask: identical bytes to the no-option stream.
-    let req = r#"{"model":"gpt-4o-inject-a","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let req =
+        r#"{"model":"gpt-4o-inject-a","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
     let (parts, body) = post_json(&c, &proxy.url("/v1/chat/completions"), req).await;
     assert_eq!(parts.status, 200);
-    assert_eq!(body, plain, "client bytes equal the stream without the option");
+    assert_eq!(
+        body, plain,
+        "client bytes equal the stream without the option"
+    );
     let (_, sent) = up.seen.last();
     assert_eq!(
         sent,
-        Bytes::from(req.replace(
-            "}]}",
-            "}],\"stream_options\":{\"include_usage\":true}}"
-        )),
+        Bytes::from(req.replace("}]}", "}],\"stream_options\":{\"include_usage\":true}}")),
         "the request was edited, not re-serialised"
     );
     assert_eq!(
@@ -259,14 +265,19 @@ async fn an_upstream_that_refuses_stream_options_is_retried_once_and_remembered(
     .await;
     let proxy = proxy(&up.url(), &[]).await;
     let c = client_h1();
-    let req = r#"{"model":"gpt-4o-inject-d","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let req =
+        r#"{"model":"gpt-4o-inject-d","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 
     let (parts, body) = post_json(&c, &proxy.url("/v1/chat/completions"), req).await;
     assert_eq!(parts.status, 200);
     assert_eq!(body, plain);
     assert_eq!(up.seen.count(), 2, "one refused try, one retry");
     assert!(asked_for_usage(&up.seen.requests.lock().unwrap()[0].1));
-    assert_eq!(up.seen.last().1, Bytes::from(req), "the retry is the client's body");
+    assert_eq!(
+        up.seen.last().1,
+        Bytes::from(req),
+        "the retry is the client's body"
+    );
 
     let (parts, body) = post_json(&c, &proxy.url("/v1/chat/completions"), req).await;
     assert_eq!(parts.status, 200);

@@ -63,9 +63,10 @@ fn cases() -> Vec<Case> {
         "gemini",
         "ollama",
     ] {
-        let exp: Value =
-            serde_json::from_slice(&std::fs::read(dir().join(folder).join("expected.json")).unwrap())
-                .unwrap();
+        let exp: Value = serde_json::from_slice(
+            &std::fs::read(dir().join(folder).join("expected.json")).unwrap(),
+        )
+        .unwrap();
         for (file, e) in exp["files"].as_object().unwrap() {
             let Some((api, framing)) = route(folder, file) else {
                 continue;
@@ -89,7 +90,12 @@ fn cases() -> Vec<Case> {
                 stream_error: err["in_stream"].as_bool() == Some(true),
                 utf8_splits: e["utf8_split_offsets"]
                     .as_array()
-                    .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(Value::as_u64)
+                            .map(|x| x as usize)
+                            .collect()
+                    })
                     .unwrap_or_default(),
             });
         }
@@ -113,7 +119,11 @@ fn check(c: &Case, o: &ReadOutcome, how: &str) {
     assert_eq!(o.observed.usage, c.usage, "{} ({how})", c.path);
     assert_eq!(o.parse_errors, 0, "{} ({how})", c.path);
     if c.framing != Framing::Json {
-        assert_eq!(o.observed.stream_error, c.stream_error, "{} ({how})", c.path);
+        assert_eq!(
+            o.observed.stream_error, c.stream_error,
+            "{} ({how})",
+            c.path
+        );
     }
 }
 
@@ -122,7 +132,11 @@ fn every_fixture_whole_and_at_every_split() {
     for c in cases() {
         check(&c, &read(&c, &c.body, c.encoding, &[]), "whole");
         for i in 0..=c.body.len() {
-            check(&c, &read(&c, &c.body, c.encoding, &[i]), &format!("split at {i}"));
+            check(
+                &c,
+                &read(&c, &c.body, c.encoding, &[i]),
+                &format!("split at {i}"),
+            );
         }
         let bytes: Vec<usize> = (1..c.body.len()).collect();
         check(&c, &read(&c, &c.body, c.encoding, &bytes), "byte by byte");
@@ -134,7 +148,11 @@ fn every_fixture_whole_and_at_every_split() {
                     c.path
                 );
             }
-            check(&c, &read(&c, &c.body, c.encoding, &c.utf8_splits), "utf8 splits");
+            check(
+                &c,
+                &read(&c, &c.body, c.encoding, &c.utf8_splits),
+                "utf8 splits",
+            );
         }
     }
 }
@@ -142,7 +160,10 @@ fn every_fixture_whole_and_at_every_split() {
 #[test]
 fn responses_streams_carry_their_id() {
     let c = cases();
-    let c = c.iter().find(|c| c.path == "openai-responses/stream_basic.sse").unwrap();
+    let c = c
+        .iter()
+        .find(|c| c.path == "openai-responses/stream_basic.sse")
+        .unwrap();
     let o = read(c, &c.body, None, &[]);
     let id = o.observed.response_id.expect("response id");
     assert!(id.starts_with("resp_"), "{id}");
@@ -174,7 +195,11 @@ fn every_fixture_in_random_chunkings() {
     for c in cases() {
         for _ in 0..200 {
             let cuts = rng.cuts(c.body.len());
-            check(&c, &read(&c, &c.body, c.encoding, &cuts), &format!("cuts {cuts:?}"));
+            check(
+                &c,
+                &read(&c, &c.body, c.encoding, &cuts),
+                &format!("cuts {cuts:?}"),
+            );
         }
     }
 }
@@ -224,7 +249,11 @@ fn brotli_stored(b: &[u8]) -> Vec<u8> {
             }
         }
     }
-    let mut w = Bits { out: Vec::new(), acc: 0, n: 0 };
+    let mut w = Bits {
+        out: Vec::new(),
+        acc: 0,
+        n: 0,
+    };
     w.put(0, 1); // WBITS = 16
     for block in b.chunks(1000) {
         w.put(0, 1); // ISLAST = 0
@@ -260,13 +289,25 @@ fn compressed_bodies_are_decoded_as_they_arrive() {
             // Every split for gzip (what Anthropic streams use); the rest sampled.
             let step = if *name == "gzip" { 1 } else { 7 };
             for i in (0..=z.len()).step_by(step) {
-                check(c, &read(c, &z, Some(name), &[i]), &format!("{how} split at {i}"));
+                check(
+                    c,
+                    &read(c, &z, Some(name), &[i]),
+                    &format!("{how} split at {i}"),
+                );
             }
             let bytes: Vec<usize> = (1..z.len()).collect();
-            check(c, &read(c, &z, Some(name), &bytes), &format!("{how} byte by byte"));
+            check(
+                c,
+                &read(c, &z, Some(name), &bytes),
+                &format!("{how} byte by byte"),
+            );
             for _ in 0..20 {
                 let cuts = rng.cuts(z.len());
-                check(c, &read(c, &z, Some(name), &cuts), &format!("{how} {cuts:?}"));
+                check(
+                    c,
+                    &read(c, &z, Some(name), &cuts),
+                    &format!("{how} {cuts:?}"),
+                );
             }
         }
     }
@@ -280,13 +321,22 @@ const BR_CHAT_BASIC: &str = "0dimACAGrbV+JT2T9/7EtyGmZ/67r1ICluhQKqmRGDoX6gC4kmZ
 fn real_brotli_streams() {
     let all = cases();
     for (path, b64) in [
-        ("anthropic-messages/stream_prompt_caching.sse", BR_PROMPT_CACHING),
+        (
+            "anthropic-messages/stream_prompt_caching.sse",
+            BR_PROMPT_CACHING,
+        ),
         ("openai-chat/stream_basic_with_usage.sse", BR_CHAT_BASIC),
     ] {
         let c = all.iter().find(|c| c.path == path).unwrap();
-        let z = base64::engine::general_purpose::STANDARD.decode(b64).unwrap();
+        let z = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .unwrap();
         for i in 0..=z.len() {
-            check(c, &read(c, &z, Some("br"), &[i]), &format!("br split at {i}"));
+            check(
+                c,
+                &read(c, &z, Some("br"), &[i]),
+                &format!("br split at {i}"),
+            );
         }
         let bytes: Vec<usize> = (1..z.len()).collect();
         check(c, &read(c, &z, Some("br"), &bytes), "br byte by byte");
@@ -339,7 +389,11 @@ fn an_event_past_the_cap_stops_reading_with_one_error() {
     r.feed(b"\"\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":99}}\n\n");
     let o = r.finish();
     assert_eq!(o.parse_errors, 1);
-    assert_eq!(o.observed.usage.total_context, Some(3), "usage before the cap is kept");
+    assert_eq!(
+        o.observed.usage.total_context,
+        Some(3),
+        "usage before the cap is kept"
+    );
 }
 
 #[test]
@@ -362,7 +416,8 @@ fn a_gzip_bomb_is_not_read_past_the_cap() {
     for _ in 0..(64 << 20) / line.len() {
         e.write_all(line).unwrap();
     }
-    e.write_all(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11}}\n\n").unwrap();
+    e.write_all(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11}}\n\n")
+        .unwrap();
     let z = e.finish().unwrap();
     let mut r = reader(Api::OpenAiChat, Framing::Sse, Some("gzip"));
     for c in z.chunks(16 * 1024) {
@@ -371,6 +426,22 @@ fn a_gzip_bomb_is_not_read_past_the_cap() {
     let o = r.finish();
     assert_eq!(o.parse_errors, 0);
     assert_eq!(o.observed.usage.total_context, Some(11));
+}
+
+#[test]
+fn a_zstd_frame_asking_for_a_huge_window_is_refused() {
+    // A 128 MiB window would make the tap allocate that much: refused, one error.
+    let mut e = zstd::stream::write::Encoder::new(Vec::new(), 3).unwrap();
+    e.window_log(27).unwrap();
+    e.long_distance_matching(true).unwrap();
+    e.write_all(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5}}\n\n")
+        .unwrap();
+    let z = e.finish().unwrap();
+    let mut r = reader(Api::OpenAiChat, Framing::Sse, Some("zstd"));
+    r.feed(&z);
+    let o = r.finish();
+    assert_eq!(o.parse_errors, 1);
+    assert_eq!(o.observed.usage.total_context, None);
 }
 
 // ---- property tests ----------------------------------------------------
@@ -382,13 +453,21 @@ fn cases_from_env(default: u32) -> u32 {
         .unwrap_or(default)
 }
 
-fn scan_all(chunks: &[&[u8]]) -> (Vec<(Option<String>, Vec<u8>)>, Option<(Option<String>, Vec<u8>)>) {
+/// An event as (name, data), owned.
+type Owned = (Option<String>, Vec<u8>);
+
+/// Events dispatched, and the unfinished one offered at the end.
+fn scan_all(chunks: &[&[u8]]) -> (Vec<Owned>, Option<Owned>) {
     let mut s = SseScanner::new();
     let mut out = Vec::new();
     for c in chunks {
-        s.feed(c, &mut |e| out.push((e.name.map(str::to_string), e.data.to_vec())));
+        s.feed(c, &mut |e| {
+            out.push((e.name.map(str::to_string), e.data.to_vec()))
+        });
     }
-    let tail = s.finish().map(|e| (e.name.map(str::to_string), e.data.to_vec()));
+    let tail = s
+        .finish()
+        .map(|e| (e.name.map(str::to_string), e.data.to_vec()));
     (out, tail)
 }
 
@@ -434,7 +513,8 @@ proptest! {
 
     #[test]
     fn fixtures_in_proptest_chunkings(i in 0usize..64, cuts in proptest::collection::vec(any::<usize>(), 0..40)) {
-        let all = cases();
+        static ALL: std::sync::OnceLock<Vec<Case>> = std::sync::OnceLock::new();
+        let all = ALL.get_or_init(cases);
         let c = &all[i % all.len()];
         let mut cuts: Vec<usize> = cuts.iter().map(|x| x % (c.body.len() + 1)).collect();
         cuts.sort_unstable();

@@ -69,13 +69,18 @@ pub fn split_array(s: &str) -> Option<Vec<&str>> {
 fn string_end(b: &[u8], i: usize) -> Option<usize> {
     let mut j = i + 1;
     loop {
-        let k = memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
-        j += k;
-        if b[j] == b'\\' {
-            j += 2;
-        } else {
-            return Some(j + 1);
+        // Jump from quote to quote; a quote preceded by an odd run of
+        // backslashes is escaped (escapes other than `\"` cost nothing).
+        let q = j + memchr::memchr(b'"', b.get(j..)?)?;
+        let run = b[i + 1..q]
+            .iter()
+            .rev()
+            .take_while(|&&c| c == b'\\')
+            .count();
+        if run % 2 == 0 {
+            return Some(q + 1);
         }
+        j = q + 1;
     }
 }
 

@@ -633,10 +633,10 @@ fn ollama_message(cx: &mut Ctx<'_>, raw: &str) {
         openai_content(cx, c.get());
     }
     cx.str_field(&obj, "tool_name");
-    let images = get(&obj, "images")
+    let attached = get(&obj, "images")
         .and_then(|i| json::array(i.get()))
-        .unwrap_or_default();
-    cx.add(images.len() as u64 * images::OLLAMA_IMAGE);
+        .map_or(0, |a| a.len() as u64);
+    cx.add(attached * images::OLLAMA_IMAGE);
     for call in get(&obj, "tool_calls")
         .and_then(|c| json::array(c.get()))
         .unwrap_or_default()

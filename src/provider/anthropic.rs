@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, session_budget_message, Api, CountedField, ErrorShape, Observed, Provider,
+    ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -64,7 +65,7 @@ impl Provider for Anthropic {
         match event {
             Some(e) => matches!(e, "message_start" | "message_delta" | "error"),
             // No event names (a non-stream body, or a proxy that dropped them).
-            None => has_member(data, b"\"usage\"") || has_member(data, b"\"error\""),
+            None => has_member(data, &USAGE) || has_member(data, &ERROR),
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
@@ -107,7 +108,7 @@ impl Provider for Anthropic {
                     404 => "not_found_error",
                     413 => "request_too_large",
                     429 => "rate_limit_error",
-                    400..=499 => "invalid_request_error",
+                    s if (400..500).contains(&s) => "invalid_request_error",
                     504 => "timeout_error",
                     _ => "api_error",
                 },

@@ -3,7 +3,10 @@
 
 use serde_json::Value;
 
-use super::{count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Usage};
+use super::{
+    count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Usage, ERROR,
+    USAGE_METADATA,
+};
 use crate::inspect::RequestView;
 
 pub struct Gemini;
@@ -84,7 +87,7 @@ impl Provider for Gemini {
         count(json, "totalTokens")
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        has_member(data, b"\"usageMetadata\"") || has_member(data, b"\"error\"")
+        has_member(data, &USAGE_METADATA) || has_member(data, &ERROR)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if json.get("error").is_some_and(|e| !e.is_null()) {

@@ -194,9 +194,23 @@ pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
     v.get(key)?.as_u64()
 }
 
-/// Cheap byte check before any parse: does `data` hold the member `key`
-/// (quotes included, e.g. `b"\"usage\""`) with a value other than `null`?
-/// False positives only cost a parse; a truncated value counts as present.
+/// A byte pattern looked for in every event: its searcher is built once.
+pub(crate) type Key = std::sync::LazyLock<memchr::memmem::Finder<'static>>;
+
+macro_rules! keys {
+    ($($name:ident = $lit:literal;)*) => {
+        $(pub(crate) static $name: Key = Key::new(|| memchr::memmem::Finder::new($lit));)*
+    };
+}
+keys! {
+    USAGE = b"\"usage\"";
+    ERROR = b"\"error\"";
+    USAGE_METADATA = b"\"usageMetadata\"";
+    EVAL_COUNT = b"eval_count";
+    RESPONSE_CREATED = b"response.created";
+    CHOICES = b"\"choices\"";
+}
+
 /// A JSON object of the request's top-level members named in `keep`, their
 /// raw bytes unchanged (a counting endpoint takes a subset of the request).
 pub(crate) fn subset_object(req: &RequestView<'_>, keep: &[&str]) -> Vec<u8> {
@@ -216,10 +230,14 @@ pub(crate) fn subset_object(req: &RequestView<'_>, keep: &[&str]) -> Vec<u8> {
     out
 }
 
-pub(crate) fn has_member(data: &[u8], key: &[u8]) -> bool {
+/// Cheap byte check before any parse: does `data` hold the member `key`
+/// (quotes included, e.g. [`USAGE`]) with a value other than `null`?
+/// False positives only cost a parse; a truncated value counts as present.
+pub(crate) fn has_member(data: &[u8], key: &Key) -> bool {
     let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
-    memchr::memmem::find_iter(data, key).any(|at| {
-        let rest = &data[at + key.len()..];
+    let len = key.needle().len();
+    key.find_iter(data).any(|at| {
+        let rest = &data[at + len..];
         let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
         let Some(rest) = rest.strip_prefix(b":") else {
             return false;
@@ -286,14 +304,11 @@ mod helper_tests {
 
     #[test]
     fn has_member_skips_null() {
-        assert!(has_member(br#"{"usage": {"a":1}}"#, b"\"usage\""));
-        assert!(has_member(
-            br#"{"usage":null,"x":{"usage" :{}}}"#,
-            b"\"usage\""
-        ));
-        assert!(!has_member(br#"{"usage":null}"#, b"\"usage\""));
-        assert!(!has_member(br#"{"text":"usage"}"#, b"\"usage\""));
-        assert!(!has_member(br#"{"text":"\"usage\" is"}"#, b"\"usage\""));
-        assert!(has_member(br#"{"usage":"#, b"\"usage\""));
+        assert!(has_member(br#"{"usage": {"a":1}}"#, &USAGE));
+        assert!(has_member(br#"{"usage":null,"x":{"usage" :{}}}"#, &USAGE));
+        assert!(!has_member(br#"{"usage":null}"#, &USAGE));
+        assert!(!has_member(br#"{"text":"usage"}"#, &USAGE));
+        assert!(!has_member(br#"{"text":"\"usage\" is"}"#, &USAGE));
+        assert!(has_member(br#"{"usage":"#, &USAGE));
     }
 }

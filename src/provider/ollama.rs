@@ -2,7 +2,10 @@
 
 use serde_json::Value;
 
-use super::{count, has_member, truthy, Api, CountedField, ErrorShape, Observed, Provider, Usage};
+use super::{
+    count, has_member, truthy, Api, CountedField, ErrorShape, Observed, Provider, Usage, ERROR,
+    EVAL_COUNT,
+};
 use crate::inspect::RequestView;
 
 pub struct Ollama;
@@ -39,7 +42,7 @@ impl Provider for Ollama {
         count(&options, "num_predict")
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
-        memchr::memmem::find(data, b"eval_count").is_some() || has_member(data, b"\"error\"")
+        EVAL_COUNT.find(data).is_some() || has_member(data, &ERROR)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if truthy(json.get("error")) {

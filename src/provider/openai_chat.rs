@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape, Observed,
-    Provider, Usage,
+    Provider, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -46,7 +46,7 @@ impl Provider for OpenAiChat {
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         // With injection every chunk carries `"usage":null`: only a real object counts.
-        has_member(data, b"\"usage\"") || has_member(data, b"\"error\"")
+        has_member(data, &USAGE) || has_member(data, &ERROR)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if truthy(json.get("error")) {

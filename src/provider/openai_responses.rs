@@ -5,6 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, openai_error_body, Api, CountedField, ErrorShape, Observed, Provider, Usage,
+    ERROR, RESPONSE_CREATED, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -81,9 +82,9 @@ impl Provider for OpenAiResponses {
             // `in_progress` repeats what `created` said.
             Some(e) => e != "response.in_progress" && RESPONSE_EVENTS.contains(&e) || e == "error",
             None => {
-                has_member(data, b"\"usage\"")
-                    || has_member(data, b"\"error\"")
-                    || memchr::memmem::find(data, b"response.created").is_some()
+                has_member(data, &USAGE)
+                    || has_member(data, &ERROR)
+                    || RESPONSE_CREATED.find(data).is_some()
             }
         }
     }
