@@ -471,6 +471,7 @@ impl Sessions {
             continues,
         } = facts;
         let linked = continues.and_then(|id| self.follow(&id, &credential));
+        let chained = linked.is_some();
         let key = linked.or(key);
         let mcal = self.model_cal(model.as_deref());
         let Some(key) = key else {
@@ -525,6 +526,13 @@ impl Sessions {
             }
         };
         let rec = &mut slot[idx];
+        // A request chained with `previous_response_id` carries only its new
+        // input: the provider prepends the stored conversation, so its size
+        // is the anchored request's plus this one, not a shrink.
+        let estimate = match rec.anchor {
+            Some(a) if chained => a.estimate.saturating_add(estimate),
+            _ => estimate,
+        };
         let before = rec.state;
         rec.seq += 1;
         let seq = rec.seq;
@@ -920,7 +928,6 @@ impl Sessions {
                 "at": rfc3339(a.at_ms),
             })),
             "projection": r.projection,
-            "src": r.src.as_str(),
             "last_real": r.last_real,
             "window": r.window,
             "utilization": utilization(r).map(|u| (u * 1000.0).round() / 1000.0),
