@@ -22,7 +22,7 @@ use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
-use crate::session::{Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions};
+use crate::session::{decimal, Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions};
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::trim::{self, Cut};
 use crate::upstream::{self, Client, UpBody, UpstreamError};
@@ -491,17 +491,7 @@ fn is_user_message(raw: &str) -> bool {
 
 /// RFC 8941 dictionary for `x-context-warning`.
 fn warning_value(util: f64, at: f64) -> String {
-    format!("util={:.3}, at={}", util, fmt_decimal(at))
-}
-
-fn fmt_decimal(v: f64) -> String {
-    let s = format!("{v:.3}");
-    let s = s.trim_end_matches('0');
-    if s.ends_with('.') {
-        format!("{s}0")
-    } else {
-        s.to_string()
-    }
+    format!("util={}, at={}", decimal(util), decimal(at))
 }
 
 /// The projection headers plus `x-context-trimmed` when the request was trimmed.

@@ -136,13 +136,24 @@ impl Projection {
         if let Some(w) = self.window.filter(|w| *w > 0) {
             s.push_str(&format!(";window={w}"));
             if let Some(u) = self.util() {
-                s.push_str(&format!(";util={u:.3}"));
+                s.push_str(&format!(";util={}", decimal(u)));
             }
         }
         if let Some(t) = self.turns_left {
             s.push_str(&format!(";turns-left={t}"));
         }
         s
+    }
+}
+
+/// An RFC 8941 decimal: at most three fractional digits, trailing zeros dropped.
+pub fn decimal(v: f64) -> String {
+    let s = format!("{v:.3}");
+    let s = s.trim_end_matches('0');
+    if s.ends_with('.') {
+        format!("{s}0")
+    } else {
+        s.to_string()
     }
 }
 

@@ -734,7 +734,7 @@ fn turns_left_follows_recent_growth() {
     assert_eq!(b.projection.turns_left, Some(6));
     assert_eq!(
         b.projection.header_value(),
-        "40000;src=anchored;window=100000;util=0.400;turns-left=6"
+        "40000;src=anchored;window=100000;util=0.4;turns-left=6"
     );
 }
 
