@@ -1,0 +1,87 @@
+//! The compose stack mounts the very files the Prometheus test checked: the
+//! scrape config `scripts/check-prometheus.sh` runs through promtool and a
+//! real Prometheus, and the Grafana provisioning that loads the dashboard
+//! whose every query that script evaluates. No Docker engine runs here, so
+//! this (with `docker-compose config -q` in that script) keeps it honest.
+
+use std::path::Path;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(Path::new(ROOT).join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// `host:container[:mode]` volume lines of docker-compose.yml, host side relative.
+fn mounts() -> Vec<(String, String)> {
+    read("docker-compose.yml")
+        .lines()
+        .map(str::trim)
+        .filter_map(|l| l.strip_prefix("- ./"))
+        .filter_map(|m| {
+            let mut it = m.split(':');
+            Some((it.next()?.to_string(), it.next()?.to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn compose_mounts_exist_and_are_the_files_the_prometheus_test_checks() {
+    let m = mounts();
+    assert!(
+        !m.is_empty(),
+        "no volume mounts found in docker-compose.yml"
+    );
+    for (host, _) in &m {
+        assert!(
+            Path::new(ROOT).join(host).exists(),
+            "mounted {host} is missing"
+        );
+    }
+    let script = read("scripts/check-prometheus.sh");
+    let prom = m
+        .iter()
+        .find(|(_, c)| c == "/etc/prometheus/prometheus.yml")
+        .expect("prometheus config mounted");
+    assert!(
+        script.contains(&format!("$ROOT/{}", prom.0)),
+        "check-prometheus.sh must test the mounted {}",
+        prom.0
+    );
+    // The scrape config targets the compose services' admin port.
+    let cfg = read(&prom.0);
+    assert!(
+        cfg.contains("tidemark:9787"),
+        "scrapes the tidemark service"
+    );
+    assert!(
+        cfg.contains("job_name: tidemark"),
+        "the job the script reuses"
+    );
+
+    // Grafana: provisioning mounted where Grafana reads it, the datasource is
+    // the compose Prometheus, the dashboard provider reads the mounted folder,
+    // and that folder holds the dashboard the script evaluates.
+    let prov = m
+        .iter()
+        .find(|(_, c)| c == "/etc/grafana/provisioning")
+        .expect("grafana provisioning mounted");
+    let ds = read(&format!("{}/datasources/prometheus.yml", prov.0));
+    assert!(
+        ds.contains("url: http://prometheus:9090"),
+        "datasource is the compose Prometheus"
+    );
+    let dashboards = m
+        .iter()
+        .find(|(_, c)| c == "/etc/grafana/dashboards")
+        .expect("dashboards mounted");
+    let provider = read(&format!("{}/dashboards/tidemark.yml", prov.0));
+    assert!(provider.contains("path: /etc/grafana/dashboards"));
+    let dash = format!("{}/tidemark.json", dashboards.0);
+    let json: serde_json::Value = serde_json::from_str(&read(&dash)).expect("dashboard is JSON");
+    assert!(json["panels"].as_array().is_some_and(|p| !p.is_empty()));
+    assert!(
+        script.contains("tidemark.json"),
+        "the script evaluates this dashboard"
+    );
+}
