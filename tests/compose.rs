@@ -85,3 +85,54 @@ fn compose_mounts_exist_and_are_the_files_the_prometheus_test_checks() {
         "the script evaluates this dashboard"
     );
 }
+
+#[test]
+fn the_live_sessions_table_reads_the_admin_api_of_the_compose_services() {
+    let ds = read("grafana/provisioning/datasources/sessions.yml");
+    assert!(ds.contains("uid: sessions"));
+    let compose = read("docker-compose.yml");
+    assert!(compose.contains("GF_INSTALL_PLUGINS: yesoreyeram-infinity-datasource"));
+    let dash: serde_json::Value =
+        serde_json::from_str(&read("grafana/dashboards/tidemark.json")).expect("dashboard JSON");
+    let panel = dash["panels"]
+        .as_array()
+        .and_then(|ps| {
+            ps.iter().find(|p| {
+                p["title"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("Fullest sessions"))
+            })
+        })
+        .expect("a fullest-sessions table");
+    for t in panel["targets"].as_array().expect("targets") {
+        let url = t["url"].as_str().expect("url");
+        assert!(url.ends_with(":9787/sessions?limit=20"), "{url}");
+        let host = url.trim_end_matches("/sessions?limit=20");
+        assert!(ds.contains(host), "{host} allowed by the datasource");
+        assert_eq!(
+            t["root_selector"], "sessions",
+            "SPEC §6: {{total, sessions:[...]}}"
+        );
+        for c in t["columns"].as_array().expect("columns") {
+            let field = c["selector"].as_str().unwrap_or_default();
+            assert!(
+                [
+                    "key",
+                    "api",
+                    "model",
+                    "state",
+                    "utilization",
+                    "projection",
+                    "last_real",
+                    "window",
+                    "turns",
+                    "anchor_losses",
+                    "compactions",
+                    "last_seen"
+                ]
+                .contains(&field),
+                "{field} is a SPEC §6 session field"
+            );
+        }
+    }
+}
