@@ -1160,7 +1160,10 @@ fn finish_session(state: &State, shared: Option<String>, ticket: Ticket, outcome
     );
     state.sessions.finish(ticket, outcome);
     let cal_after = state.sessions.model_calibration(model.as_deref());
+    // A `previous_response_id` can lead to another session than the key
+    // fetched: only the fetched one is written back.
     let record = ids
+        .filter(|(c, k)| shared_session_id(c, k) == sid)
         .and_then(|(c, k)| state.sessions.record(&k, &c))
         .and_then(|r| serde_json::to_vec(&r).ok());
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -1187,4 +1190,28 @@ fn finish_session(state: &State, shared: Option<String>, ticket: Ticket, outcome
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marked(v: &str) -> String {
+        let mut h = HeaderMap::new();
+        h.insert(X_CONTEXT_PROJECTION, HeaderValue::from_str(v).unwrap());
+        mark_local_state(&mut h);
+        h[X_CONTEXT_PROJECTION].to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn local_state_goes_right_after_src() {
+        assert_eq!(
+            marked("1234;src=anchored;window=200000;util=0.006"),
+            "1234;src=anchored;state=local;window=200000;util=0.006"
+        );
+        assert_eq!(marked("10;src=estimate"), "10;src=estimate;state=local");
+        let mut h = HeaderMap::new();
+        mark_local_state(&mut h);
+        assert!(h.is_empty());
+    }
 }

@@ -1133,6 +1133,13 @@ impl Sessions {
             });
         }
         let cred = facts.credential.as_str();
+        let exists = self
+            .map
+            .get(key)
+            .is_some_and(|v| v.iter().any(|r| *r.credential == *cred));
+        if !exists && self.count.load(Ordering::Relaxed) >= self.cap {
+            self.evict();
+        }
         let mut created = None;
         let moved = {
             let mut slot = match self.map.get_mut(key) {
