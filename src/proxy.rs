@@ -22,7 +22,11 @@ use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
-use crate::session::{decimal, Begun, Outcome, Projection, RequestFacts, SessionConfig, Sessions};
+use crate::session::{
+    decimal, Begun, Outcome, Projection, Record, RequestFacts, SessionConfig, Sessions, Shared,
+    Ticket,
+};
+use crate::state::{CalField, RedisState};
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::trim::{self, Cut};
 use crate::upstream::{self, Client, UpBody, UpstreamError};
@@ -40,6 +44,9 @@ pub struct State {
     /// same place and provider prompt caches survive. Keyed by credential and
     /// session key; bounded by `--max-sessions`.
     pub cuts: DashMap<String, Cut>,
+    /// `--state redis://...`: sessions shared with other replicas. `None`
+    /// with `memory`, the default.
+    pub redis: Option<RedisState>,
 }
 
 /// Per-message token cache budget for the estimator.
@@ -55,7 +62,12 @@ impl State {
             ttl: config.session_ttl,
             max_sessions: config.max_sessions,
         });
+        let redis = match config.state.as_str() {
+            "memory" => None,
+            url => Some(RedisState::new(url, config.session_ttl)?),
+        };
         Ok(State {
+            redis,
             client,
             estimator: Estimator::new(ESTIMATE_CACHE_BYTES),
             sessions,
@@ -207,6 +219,12 @@ struct Inspected {
     trimmed: Option<String>,
     /// The trimmed body before usage injection (what a retry without the option sends).
     trimmed_body: Option<Bytes>,
+    /// The shared backend's session id when the session was fetched from it
+    /// (the record, spend and calibration are written back after the response).
+    shared: Option<String>,
+    /// A shared backend is configured but did not answer: projected from
+    /// this process's state only (`state=local` on the projection header).
+    local_state: bool,
 }
 
 /// The spine. Every request passes here, top to bottom.
@@ -497,6 +515,9 @@ fn warning_value(util: f64, at: f64) -> String {
 /// The projection headers plus `x-context-trimmed` when the request was trimmed.
 fn add_policy_headers(h: &mut HeaderMap, ins: &Inspected, warn_at: f64) {
     add_projection_headers(h, &ins.begun.projection, warn_at);
+    if ins.local_state {
+        mark_local_state(h);
+    }
     if let Some(t) = ins
         .trimmed
         .as_deref()
@@ -583,7 +604,28 @@ async fn api_request(
         .as_deref()
         .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
     let cut_key = key.as_ref().map(|k| format!("{credential}\u{0}{k}"));
-    let mut begun = state.sessions.begin(RequestFacts {
+    // --state redis: one round trip for the session's record, order, spend
+    // and the model's calibration. Memory: nothing to wait for.
+    let (mut shared, mut local_state, mut fetched) = (None, false, None);
+    if let (Some(redis), Some(k)) = (&state.redis, &key) {
+        let sid = shared_session_id(&credential, k);
+        match redis.begin(&sid, model.as_deref()).await {
+            Ok(b) => {
+                fetched = Some(Shared {
+                    seq: b.seq,
+                    record: b
+                        .record
+                        .and_then(|r| serde_json::from_slice::<Record>(&r).ok()),
+                    record_seq: b.record_seq,
+                    spend: (b.spend.input, b.spend.cached_input, b.spend.output),
+                    model: (b.model.cold, b.model.marginal),
+                });
+                shared = Some(sid);
+            }
+            Err(_) => local_state = true,
+        }
+    }
+    let facts = RequestFacts {
         key,
         credential,
         api,
@@ -593,7 +635,11 @@ async fn api_request(
         window,
         counted: None,
         continues: p.continues(&view),
-    });
+    };
+    let mut begun = match fetched {
+        Some(f) => state.sessions.begin_shared(facts, Some(f)),
+        None => state.sessions.begin(facts),
+    };
     // --exact-cold-start: no anchor, so ask the provider's own counter.
     if cfg.exact_cold_start && begun.anchorless() {
         if let Some((cpath, cbody)) = p.count_request(path, &view) {
@@ -614,6 +660,8 @@ async fn api_request(
         injected: false,
         trimmed: None,
         trimmed_body: None,
+        shared,
+        local_state,
     };
     if let Some(u) = ins.begun.projection.util() {
         m.utilization
@@ -982,8 +1030,10 @@ fn reject(
     m.requests
         .with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()])
         .inc();
-    let Inspected { begun, .. } = ins;
-    state.sessions.finish(
+    let Inspected { begun, shared, .. } = ins;
+    finish_session(
+        state,
+        shared,
         begun.ticket,
         Outcome {
             status: code,
@@ -1009,8 +1059,10 @@ fn respond_buffered(
         .requests
         .with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()])
         .inc();
-    let Inspected { begun, .. } = ins;
-    state.sessions.finish(
+    let Inspected { begun, shared, .. } = ins;
+    finish_session(
+        state,
+        shared,
         begun.ticket,
         Outcome {
             status: code,
@@ -1080,7 +1132,9 @@ fn record(
             m.output_tokens.with_label_values(&[a, &ml]).inc_by(o);
         }
         let completed = f.completed || usage.has_context();
-        state.sessions.finish(
+        finish_session(
+            &state,
+            ins.shared,
             ins.begun.ticket,
             Outcome {
                 status,
@@ -1090,4 +1144,107 @@ fn record(
             },
         );
     })
+}
+
+/// The shared backend's id of a session: the credential hash and the key.
+fn shared_session_id(credential: &str, key: &str) -> String {
+    format!("{credential}:{key}")
+}
+
+/// `state=local` right after `src` in `x-context-projection`: the shared
+/// backend is configured but did not answer, so the projection comes from
+/// this replica's own state. A parameter, not a new `src` value, so clients
+/// that read `src` per SPEC keep working.
+fn mark_local_state(h: &mut HeaderMap) {
+    let Some(v) = h.get(X_CONTEXT_PROJECTION).and_then(|v| v.to_str().ok()) else {
+        return;
+    };
+    let mut s = v.to_string();
+    let at = s
+        .find(";src=")
+        .map(|i| s[i + 1..].find(';').map_or(s.len(), |j| i + 1 + j))
+        .unwrap_or(s.len());
+    s.insert_str(at, ";state=local");
+    if let Ok(v) = HeaderValue::from_str(&s) {
+        h.insert(X_CONTEXT_PROJECTION, v);
+    }
+}
+
+/// The session hears the outcome; with a shared backend the updated record
+/// (compare-and-set on the request's sequence), this response's tokens and
+/// any change to the model's calibration are written back off the response
+/// path.
+fn finish_session(state: &State, shared: Option<String>, ticket: Ticket, outcome: Outcome) {
+    let (Some(redis), Some(sid)) = (state.redis.as_ref(), shared) else {
+        state.sessions.finish(ticket, outcome);
+        return;
+    };
+    let seq = ticket.seq();
+    let ids = ticket
+        .session()
+        .map(|(c, k)| (c.to_string(), k.to_string()));
+    let model = ticket.model().map(str::to_string);
+    let cal_before = state.sessions.model_calibration(model.as_deref());
+    let u = &outcome.usage;
+    let spend = (
+        u.total_context.unwrap_or(0),
+        u.cached_input.unwrap_or(0),
+        u.output.unwrap_or(0),
+    );
+    state.sessions.finish(ticket, outcome);
+    let cal_after = state.sessions.model_calibration(model.as_deref());
+    // A `previous_response_id` can lead to another session than the key
+    // fetched: only the fetched one is written back.
+    let record = ids
+        .filter(|(c, k)| shared_session_id(c, k) == sid)
+        .and_then(|(c, k)| state.sessions.record(&k, &c))
+        .and_then(|r| serde_json::to_vec(&r).ok());
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let redis = redis.clone();
+    rt.spawn(async move {
+        // Failures are counted and logged by the backend; the local state
+        // already has this response.
+        if let Some(bytes) = record {
+            let _ = redis.store(&sid, seq, &bytes).await;
+        }
+        if spend != (0, 0, 0) {
+            let _ = redis.add_spend(&sid, spend.0, spend.1, spend.2).await;
+        }
+        if let Some(m) = model {
+            for (field, before, after) in [
+                (CalField::Cold, cal_before.0, cal_after.0),
+                (CalField::Marginal, cal_before.1, cal_after.1),
+            ] {
+                if let Some(v) = after.filter(|v| Some(*v) != before) {
+                    let _ = redis.store_model_calibration(&m, field, v).await;
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marked(v: &str) -> String {
+        let mut h = HeaderMap::new();
+        h.insert(X_CONTEXT_PROJECTION, HeaderValue::from_str(v).unwrap());
+        mark_local_state(&mut h);
+        h[X_CONTEXT_PROJECTION].to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn local_state_goes_right_after_src() {
+        assert_eq!(
+            marked("1234;src=anchored;window=200000;util=0.006"),
+            "1234;src=anchored;state=local;window=200000;util=0.006"
+        );
+        assert_eq!(marked("10;src=estimate"), "10;src=estimate;state=local");
+        let mut h = HeaderMap::new();
+        mark_local_state(&mut h);
+        assert!(h.is_empty());
+    }
 }

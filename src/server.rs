@@ -276,7 +276,7 @@ async fn serve_admin(listener: TcpListener, state: Arc<State>, mut stop: watch::
         let svc = service_fn(move |req: Request<Incoming>| {
             served.store(true, Ordering::Relaxed);
             let st = Arc::clone(&st);
-            async move { Ok::<_, Infallible>(admin(&st, req)) }
+            async move { Ok::<_, Infallible>(admin(&st, req).await) }
         });
         let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
         tokio::spawn(async move {
@@ -348,7 +348,7 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
 }
 
 /// The admin API: `/healthz`, `/readyz`, `/metrics`, `/sessions`, `/sessions/{key}`.
-fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
+async fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
     let path = req.uri().path();
     if path == "/healthz" {
         return text(StatusCode::OK, "ok\n");
@@ -374,7 +374,21 @@ fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
     }
     let query = req.uri().query();
     match (req.method(), path) {
-        (&Method::GET, "/readyz") => text(StatusCode::OK, "ready\n"),
+        (&Method::GET, "/readyz") => match &state.redis {
+            Some(r) if !r.healthy() => {
+                let mut resp = Response::new(ObservedBody::full(format!(
+                    "not ready: state backend redis {} unreachable (serving from local state)\n",
+                    r.target()
+                )));
+                *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                resp.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; charset=utf-8"),
+                );
+                resp
+            }
+            _ => text(StatusCode::OK, "ready\n"),
+        },
         (&Method::GET, "/metrics") => {
             let mut r = Response::new(ObservedBody::full(metrics::get().render()));
             r.headers_mut().insert(
@@ -401,7 +415,23 @@ fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
                     ),
                 },
                 Method::DELETE => {
-                    if state.sessions.reset(&key) {
+                    let mut shared = false;
+                    if let Some(redis) = &state.redis {
+                        // Drop the anchor in the shared backend too: for every
+                        // credential this replica knows the key under, and the
+                        // one the caller names.
+                        let mut creds = state.sessions.credentials(&key);
+                        if let Some(c) = query_param(query, "credential") {
+                            if !creds.iter().any(|k| k == c) {
+                                creds.push(c.to_string());
+                            }
+                        }
+                        for c in creds {
+                            let sid = format!("{c}:{key}");
+                            shared |= redis.delete(&sid).await.is_ok();
+                        }
+                    }
+                    if state.sessions.reset(&key) | shared {
                         json(StatusCode::OK, &serde_json::json!({"reset": true}))
                     } else {
                         json(

@@ -1099,6 +1099,148 @@ mod api_name {
     }
 }
 
+/// What a shared state backend (`--state redis://`) knows about a session
+/// before it is projected: handed to [`Sessions::begin_shared`].
+#[derive(Debug, Clone, Default)]
+pub struct Shared {
+    /// The request's place in the session's global order (the backend's
+    /// counter); the ticket gets it unless this process is already past it.
+    pub seq: u64,
+    /// The newest stored record, if any.
+    pub record: Option<Record>,
+    /// The sequence that record was stored with, or a delete's tombstone
+    /// (`record` is `None` then); 0 if none.
+    pub record_seq: u64,
+    /// Cumulative tokens summed over every replica: input (cached
+    /// included), cached input, output.
+    pub spend: (u64, u64, u64),
+    /// The model's calibration learned by every replica: (cold, marginal).
+    pub model: (Option<f64>, Option<f64>),
+}
+
+impl Ticket {
+    /// (credential, key) of the session, `None` for key-less requests.
+    pub fn session(&self) -> Option<(&str, &str)> {
+        self.id.as_ref().map(|(c, k)| (&**c, &**k))
+    }
+
+    /// The request's sequence in its session.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
+impl Sessions {
+    /// [`Sessions::begin`] after taking in what a shared backend holds: the
+    /// stored record replaces the local one unless this process heard a
+    /// newer response; a delete's tombstone drops the local anchor; spend is
+    /// the larger of the shared and local sums; the model's calibration is
+    /// the shared one. `None` (no backend, or it is down): [`Sessions::begin`].
+    pub fn begin_shared(&self, facts: RequestFacts, shared: Option<Shared>) -> Begun {
+        let Some(sh) = shared else {
+            return self.begin(facts);
+        };
+        let Some(key) = facts.key.as_deref() else {
+            return self.begin(facts);
+        };
+        if sh.model.0.is_some() || sh.model.1.is_some() {
+            self.learn_model(facts.model.as_deref(), |c| {
+                c.cold = sh.model.0.or(c.cold);
+                c.marginal = sh.model.1.or(c.marginal);
+            });
+        }
+        let cred = facts.credential.as_str();
+        let exists = self
+            .map
+            .get(key)
+            .is_some_and(|v| v.iter().any(|r| *r.credential == *cred));
+        if !exists && self.count.load(Ordering::Relaxed) >= self.cap {
+            self.evict();
+        }
+        let mut created = None;
+        let moved = {
+            let mut slot = match self.map.get_mut(key) {
+                Some(s) => s,
+                None => self
+                    .map
+                    .entry(Box::from(key))
+                    .or_insert_with(|| Vec::with_capacity(1)),
+            };
+            let idx = match slot.iter().position(|r| *r.credential == *cred) {
+                Some(i) => i,
+                None => {
+                    let r = match &sh.record {
+                        Some(r) if *r.credential == *cred => r.clone(),
+                        _ => Record::new(cred, facts.api, facts.model.as_deref()),
+                    };
+                    created = Some(r.state);
+                    slot.push(r);
+                    slot.len() - 1
+                }
+            };
+            let rec = &mut slot[idx];
+            let before = rec.state;
+            if created.is_none() {
+                match &sh.record {
+                    Some(r) if *r.credential == *cred && r.last_ok_seq >= rec.last_ok_seq => {
+                        let (touch, idle) = (rec.touch, rec.idle_ms);
+                        let seq = rec.seq;
+                        *rec = r.clone();
+                        rec.touch = touch;
+                        rec.idle_ms = idle;
+                        rec.seq = rec.seq.max(seq);
+                    }
+                    None if sh.record_seq > 0
+                        && rec.fence <= sh.record_seq
+                        && rec.last_ok_seq < sh.record_seq =>
+                    {
+                        // Another replica answered `DELETE /sessions/{key}`.
+                        rec.anchor = None;
+                        rec.fence = sh.record_seq + 1;
+                        rec.reset_pending = true;
+                    }
+                    _ => {}
+                }
+            }
+            rec.cum_input = rec.cum_input.max(sh.spend.0);
+            rec.cum_cached = rec.cum_cached.max(sh.spend.1);
+            rec.cum_output = rec.cum_output.max(sh.spend.2);
+            if rec.seq < sh.seq {
+                rec.seq = sh.seq - 1;
+            }
+            rec.state = rec.derive_state();
+            (before, rec.state)
+        };
+        match created {
+            Some(st) => {
+                self.count.fetch_add(1, Ordering::Relaxed);
+                self.gauges[st as usize].inc();
+                self.transition(st, moved.1);
+            }
+            None => self.transition(moved.0, moved.1),
+        }
+        self.begin(facts)
+    }
+
+    /// The credentials this process holds a session of `key` under.
+    pub fn credentials(&self, key: &str) -> Vec<String> {
+        self.map
+            .get(key)
+            .map(|v| v.iter().map(|r| r.credential.to_string()).collect())
+            .unwrap_or_default()
+    }
+
+    /// The model's calibration this process holds: (cold, marginal).
+    pub fn model_calibration(&self, model: Option<&str>) -> (Option<f64>, Option<f64>) {
+        let c = self.model_cal(model);
+        (c.cold, c.marginal)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

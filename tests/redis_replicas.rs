@@ -1,0 +1,634 @@
+//! `--state redis://`: two tidemark replicas in front of the simulated
+//! provider share one session's anchor, order and budget through a real
+//! `redis-server` that each test starts on a free port.
+
+mod support;
+
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::{client_h1, get, post, send, Proxy, TestClient};
+use tidemark::sim::{self, SimConfig};
+
+/// A `redis-server` child, killed on drop.
+struct Server {
+    port: u16,
+    password: Option<&'static str>,
+    child: Option<Child>,
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+impl Server {
+    fn start() -> Server {
+        Server::start_on(free_port(), None)
+    }
+
+    fn start_on(port: u16, password: Option<&'static str>) -> Server {
+        let mut s = Server {
+            port,
+            password,
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(pw) = self.password {
+            cmd.args(["--requirepass", pw]);
+        }
+        let child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => panic!(
+                "cannot start `redis-server` ({e}): install it (Debian: `apt-get install -y redis-server`)"
+            ),
+        };
+        self.child = Some(child);
+        // Bounded wait for the port to accept.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not listen on {} within 10 s",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        match self.password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}/0", self.port),
+            None => format!("redis://127.0.0.1:{}/0", self.port),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The simulated provider on a free port, stopped on drop.
+struct Sim {
+    url: String,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start_sim() -> Sim {
+    // Load the sim's tokenizer before any request waits on it.
+    tokio::task::spawn_blocking(|| sim::count_prompt(sim::SimApi::Anthropic, &turn(1)))
+        .await
+        .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(sim::serve(l, SimConfig::default(), async move {
+        let _ = rx.await;
+    }));
+    Sim { url, _stop: tx }
+}
+
+async fn replicas(sim: &Sim, server: &Server, extra: &[&str]) -> (Proxy, Proxy) {
+    let url = server.url();
+    let route = format!("/v1/messages={}", sim.url);
+    let mut args = vec!["--state", url.as_str(), "--route", route.as_str()];
+    args.extend_from_slice(extra);
+    let a = support::proxy(&sim.url, &args).await;
+    let b = support::proxy(&sim.url, &args).await;
+    let c = client_h1();
+    for p in [&a, &b] {
+        wait_ready(&c, p, 200).await;
+    }
+    (a, b)
+}
+
+/// Bounded polling of `/readyz` until it answers `status`; returns the body.
+async fn wait_ready(c: &TestClient, p: &Proxy, status: u16) -> String {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (parts, body) = get(c, &p.admin_url("/readyz")).await;
+        if parts.status.as_u16() == status {
+            return String::from_utf8_lossy(&body).into_owned();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz did not answer {status} within 15 s (last {})",
+            parts.status
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Turn `t` of a conversation: every earlier turn plus a new user message of
+/// uneven size (some small, some a big tool-result-like paste).
+fn turn(t: u64) -> Value {
+    let mut messages = Vec::new();
+    for i in 1..=t {
+        let words = 20 + (i * 7919) % 400;
+        let text: String = (0..words)
+            .map(|w| format!("w{}x{} ", (w * 31 + i * 17) % 997, i))
+            .collect();
+        messages.push(json!({"role": "user", "content": text}));
+        if i < t {
+            messages.push(json!({"role": "assistant", "content": format!("noted {i}: ok, continuing with the plan.")}));
+        }
+    }
+    json!({"model": "claude-sonnet-4-5", "max_tokens": 64, "system": "You are terse.", "messages": messages})
+}
+
+struct Answer {
+    status: u16,
+    projection: String,
+    /// The provider's real prompt count (input plus cache reads and writes).
+    real: u64,
+}
+
+impl Answer {
+    fn tokens(&self) -> u64 {
+        self.projection
+            .split(';')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("projection tokens")
+    }
+    fn has(&self, param: &str) -> bool {
+        self.projection.split(';').any(|p| p == param)
+    }
+}
+
+async fn ask(c: &TestClient, p: &Proxy, session: &str, body: &Value) -> Answer {
+    let req = post(&p.url("/v1/messages"), body.to_string())
+        .header("x-api-key", "sk-ant-replica-test")
+        .header("anthropic-version", "2023-06-01")
+        .header("x-session-id", session)
+        .body(support::full(body.to_string()))
+        .unwrap();
+    let (parts, bytes) = send(c, req).await;
+    let projection = parts
+        .headers
+        .get("x-context-projection")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    if parts.status != 200 {
+        eprintln!("{} {}", parts.status, String::from_utf8_lossy(&bytes));
+    }
+    let u = &v["usage"];
+    let n = |k: &str| u[k].as_u64().unwrap_or(0);
+    Answer {
+        status: parts.status.as_u16(),
+        projection,
+        real: n("input_tokens") + n("cache_read_input_tokens") + n("cache_creation_input_tokens"),
+    }
+}
+
+async fn raw(server: &Server) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(server.url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection")
+}
+
+/// The one Redis key of `session` with this suffix (`seq`, `rec`, `spend`).
+async fn key_of(conn: &mut redis::aio::MultiplexedConnection, session: &str, part: &str) -> String {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("tidemark:v1:{{*:{session}}}:{part}"))
+        .query_async(conn)
+        .await
+        .expect("KEYS");
+    assert_eq!(keys.len(), 1, "one {part} key for {session}: {keys:?}");
+    keys.into_iter().next().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alternating_replicas_stay_anchored_and_continuous() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    // One process with memory state: what the replicas together must match.
+    let route = format!("/v1/messages={}", sim.url);
+    let single = support::proxy(&sim.url, &["--route", &route]).await;
+    let c = client_h1();
+    for t in 1..=14u64 {
+        let p = if t % 2 == 1 { &a } else { &b };
+        let r = ask(&c, p, "alt-1", &turn(t)).await;
+        let one = ask(&c, &single, "alt-1", &turn(t)).await;
+        assert_eq!(r.status, 200, "turn {t}");
+        assert!(!r.has("state=local"), "turn {t}: {}", r.projection);
+        assert_eq!(
+            r.tokens(),
+            one.tokens(),
+            "turn {t}: two replicas project as one process does"
+        );
+        if t >= 2 {
+            assert!(r.has("src=anchored"), "turn {t}: {}", r.projection);
+        }
+        if t >= 3 {
+            // Turn 2 has learned no ratio yet (one process neither).
+            let err = (r.tokens() as f64 - r.real as f64).abs() / r.real as f64;
+            assert!(
+                err < 0.01,
+                "turn {t}: projected {} real {} ({:.2}%)",
+                r.tokens(),
+                r.real,
+                err * 100.0
+            );
+        }
+    }
+    // A replica that never saw the session before projects it anchored too.
+    let route = format!("/v1/messages={}", sim.url);
+    let fresh = support::proxy(&sim.url, &["--state", &server.url(), "--route", &route]).await;
+    wait_ready(&c, &fresh, 200).await;
+    let r = ask(&c, &fresh, "alt-1", &turn(15)).await;
+    assert!(r.has("src=anchored"), "{}", r.projection);
+
+    // DELETE on one replica drops the anchor for the other too.
+    let del = http::Request::delete(a.admin_url("/sessions/alt-1"))
+        .body(support::full(""))
+        .unwrap();
+    let (parts, _) = send(&c, del).await;
+    assert_eq!(parts.status, 200);
+    let r = ask(&c, &b, "alt-1", &turn(16)).await;
+    assert!(!r.has("src=anchored"), "after DELETE: {}", r.projection);
+    let r = ask(&c, &a, "alt-1", &turn(17)).await;
+    assert!(r.has("src=anchored"), "re-anchored: {}", r.projection);
+    for p in [a, b, fresh, single] {
+        p.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_mid_session_serves_locally_then_shares_again() {
+    let mut server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    let c = client_h1();
+    let mut t = 0;
+    let next = |t: &mut u64| {
+        *t += 1;
+        turn(*t)
+    };
+    for _ in 0..4 {
+        let p = if t % 2 == 0 { &a } else { &b };
+        let r = ask(&c, p, "restart-1", &next(&mut t)).await;
+        assert_eq!(r.status, 200);
+        assert!(!r.has("state=local"), "{}", r.projection);
+    }
+    let errors_before = tidemark::metrics::get().state_errors.get();
+
+    server.kill();
+    for i in 0..4 {
+        let p = if i % 2 == 0 { &a } else { &b };
+        let r = ask(&c, p, "restart-1", &next(&mut t)).await;
+        assert_eq!(r.status, 200, "requests still proxy while Redis is down");
+        assert!(r.has("state=local"), "{}", r.projection);
+        assert!(r.has("src=anchored"), "local anchor: {}", r.projection);
+        // SPEC-compatible order: the tokens, src, then the state parameter.
+        let parts: Vec<&str> = r.projection.split(';').collect();
+        assert!(parts[1].starts_with("src="), "{}", r.projection);
+        assert_eq!(parts[2], "state=local", "{}", r.projection);
+    }
+    for p in [&a, &b] {
+        let body = wait_ready(&c, p, 503).await;
+        assert!(body.contains("state backend"), "{body}");
+        assert!(
+            body.contains(&format!("127.0.0.1:{}", server.port)),
+            "{body}"
+        );
+    }
+    assert!(tidemark::metrics::get().state_errors.get() > errors_before);
+
+    server.spawn();
+    for p in [&a, &b] {
+        wait_ready(&c, p, 200).await;
+    }
+    for i in 0..4 {
+        let p = if i % 2 == 0 { &a } else { &b };
+        let r = ask(&c, p, "restart-1", &next(&mut t)).await;
+        assert_eq!(r.status, 200);
+        assert!(!r.has("state=local"), "{}", r.projection);
+        assert!(r.has("src=anchored"), "{}", r.projection);
+        let err = (r.tokens() as f64 - r.real as f64).abs() / r.real as f64;
+        assert!(err < 0.01, "projected {} real {}", r.tokens(), r.real);
+    }
+    // And the record is back in Redis.
+    let mut conn = raw(&server).await;
+    let k = key_of(&mut conn, "restart-1", "rec").await;
+    let s: Option<u64> = redis::cmd("HGET")
+        .arg(&k)
+        .arg("s")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(s.unwrap_or(0) > 0);
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// The stored record's anchor and sequence, and the session's counter.
+async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> (u64, u64, u64) {
+    let rec = key_of(conn, session, "rec").await;
+    let seq = key_of(conn, session, "seq").await;
+    let (s, d): (Option<u64>, Option<Vec<u8>>) = redis::cmd("HMGET")
+        .arg(&rec)
+        .arg("s")
+        .arg("d")
+        .query_async(conn)
+        .await
+        .unwrap();
+    let counter: u64 = redis::cmd("GET").arg(&seq).query_async(conn).await.unwrap();
+    let v: Value = d
+        .and_then(|d| serde_json::from_slice(&d).ok())
+        .unwrap_or(Value::Null);
+    (
+        s.unwrap_or(0),
+        v["anchor"]["seq"].as_u64().unwrap_or(0),
+        counter,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_requests_keep_the_newest_anchor() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    let c = client_h1();
+    let mut conn = raw(&server).await;
+    for round in 0..3u64 {
+        let body = turn(3 + round);
+        let mut tasks = Vec::new();
+        for i in 0..16 {
+            let url = if i % 2 == 0 { a.url("") } else { b.url("") };
+            let (c, body) = (c.clone(), body.clone());
+            tasks.push(tokio::spawn(async move {
+                let req = post(&format!("{url}/v1/messages"), body.to_string())
+                    .header("x-api-key", "sk-ant-replica-test")
+                    .header("anthropic-version", "2023-06-01")
+                    .header("x-session-id", "race-1")
+                    .body(support::full(body.to_string()))
+                    .unwrap();
+                send(&c, req).await.0.status.as_u16()
+            }));
+        }
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), 200);
+        }
+        // The stores land off the response path: bounded polling until the
+        // newest request's record is the stored one.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (s, anchor, counter) = stored(&mut conn, "race-1").await;
+            if s == counter && anchor == counter {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: stored record s={s} anchor seq={anchor}, newest request {counter}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // And both replicas project from it.
+        for p in [&a, &b] {
+            let r = ask(&c, p, "race-1", &body).await;
+            assert!(r.has("src=anchored"), "{}", r.projection);
+            assert_eq!(r.tokens(), r.real, "same body: the anchor itself");
+        }
+    }
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_budget_counts_spend_from_every_replica() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    // What one request of this body costs, asked of the sim directly.
+    let c = client_h1();
+    let body = turn(4);
+    let req = post(&format!("{}/v1/messages", sim.url), body.to_string())
+        .header("x-api-key", "sk-ant-replica-test")
+        .header("anthropic-version", "2023-06-01")
+        .body(support::full(body.to_string()))
+        .unwrap();
+    let (_, bytes) = send(&c, req).await;
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    let u = &v["usage"];
+    let n = |k: &str| u[k].as_u64().unwrap_or(0);
+    let one = n("input_tokens")
+        + n("cache_read_input_tokens")
+        + n("cache_creation_input_tokens")
+        + n("output_tokens");
+    assert!(one > 100);
+    // Eight requests fit; the ninth, on either replica, does not.
+    let budget = (8 * one - 1).to_string();
+    let (a, b) = replicas(&sim, &server, &["--session-budget", &budget]).await;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let url = if i % 2 == 0 { a.url("") } else { b.url("") };
+        let (c, body) = (c.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let req = post(&format!("{url}/v1/messages"), body.to_string())
+                .header("x-api-key", "sk-ant-replica-test")
+                .header("anthropic-version", "2023-06-01")
+                .header("x-session-id", "budget-1")
+                .body(support::full(body.to_string()))
+                .unwrap();
+            send(&c, req).await.0.status.as_u16()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200, "under the budget");
+    }
+    let mut conn = raw(&server).await;
+    let k = key_of(&mut conn, "budget-1", "spend").await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (i, o): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(&k)
+            .arg("i")
+            .arg("o")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if i.unwrap_or(0) + o.unwrap_or(0) == 8 * one {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "spend in Redis: {i:?} + {o:?}, want {}",
+            8 * one
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for p in [&a, &b] {
+        let r = ask(&c, p, "budget-1", &body).await;
+        assert_eq!(r.status, 400, "over the shared budget: {}", r.projection);
+    }
+    // Another session is not affected.
+    let r = ask(&c, &a, "budget-2", &body).await;
+    assert_eq!(r.status, 200);
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// `Sessions::begin_shared` on its own: what a replica does with what Redis
+/// handed it, without Redis.
+mod begin_shared {
+    use std::time::Duration;
+
+    use tidemark::provider::{Api, Usage};
+    use tidemark::session::{Outcome, RequestFacts, SessionConfig, Sessions, Shared, Src};
+
+    fn store() -> Sessions {
+        Sessions::new(SessionConfig {
+            ttl: Duration::from_secs(600),
+            max_sessions: 100,
+        })
+    }
+
+    fn facts(estimate: u64) -> RequestFacts {
+        RequestFacts {
+            key: Some("k".into()),
+            credential: "c0ffee00".into(),
+            api: Api::OpenAiChat,
+            model: Some("m".into()),
+            estimate,
+            reset: false,
+            window: None,
+            counted: None,
+            continues: None,
+        }
+    }
+
+    fn ok(real: u64) -> Outcome {
+        Outcome {
+            status: 200,
+            usage: Usage {
+                total_context: Some(real),
+                output: Some(10),
+                ..Default::default()
+            },
+            response_id: None,
+            completed: true,
+        }
+    }
+
+    #[test]
+    fn another_replicas_record_anchors_and_takes_the_global_sequence() {
+        let a = store();
+        let b = store();
+        let begun = a.begin_shared(
+            facts(1000),
+            Some(Shared {
+                seq: 1,
+                ..Default::default()
+            }),
+        );
+        assert_eq!(begun.ticket.seq(), 1);
+        a.finish(begun.ticket, ok(1200));
+        let rec = a.record("k", "c0ffee00").unwrap();
+        let begun = b.begin_shared(
+            facts(1100),
+            Some(Shared {
+                seq: 7,
+                record: Some(rec),
+                record_seq: 1,
+                spend: (5_000, 0, 300),
+                model: (None, Some(1.2)),
+            }),
+        );
+        assert_eq!(begun.projection.src, Src::Anchored);
+        assert_eq!(begun.ticket.seq(), 7, "the global order, not a local count");
+        // 1200 + 100 * 1.2: the anchor and the shared model ratio.
+        assert_eq!(begun.projection.tokens, 1320);
+        assert_eq!(
+            begun.spent, 5_300,
+            "the shared spend, larger than the record's"
+        );
+    }
+
+    #[test]
+    fn a_newer_local_response_beats_an_older_stored_record() {
+        let a = store();
+        let shared = |seq| {
+            Some(Shared {
+                seq,
+                ..Default::default()
+            })
+        };
+        let b1 = a.begin_shared(facts(1000), shared(1));
+        a.finish(b1.ticket, ok(1200));
+        let old = a.record("k", "c0ffee00").unwrap();
+        let b2 = a.begin_shared(facts(2000), shared(2));
+        a.finish(b2.ticket, ok(2300));
+        // Redis still holds the record of request 1 (request 2's store in flight).
+        let b3 = a.begin_shared(
+            facts(2100),
+            Some(Shared {
+                seq: 3,
+                record: Some(old),
+                record_seq: 1,
+                ..Default::default()
+            }),
+        );
+        assert_eq!(b3.projection.src, Src::Anchored);
+        // 2300 + 100 * 1.1 (the ratio request 2 taught); the old record would
+        // give 1200 + 1100 * 1.0.
+        assert_eq!(b3.projection.tokens, 2410, "anchored on request 2's 2300");
+    }
+
+    #[test]
+    fn a_delete_tombstone_drops_the_local_anchor_once() {
+        let a = store();
+        let b1 = a.begin_shared(
+            facts(1000),
+            Some(Shared {
+                seq: 1,
+                ..Default::default()
+            }),
+        );
+        a.finish(b1.ticket, ok(1200));
+        let tomb = |seq| {
+            Some(Shared {
+                seq,
+                record: None,
+                record_seq: 2,
+                ..Default::default()
+            })
+        };
+        let b = a.begin_shared(facts(1100), tomb(3));
+        assert_ne!(b.projection.src, Src::Anchored, "another replica's DELETE");
+        a.finish(b.ticket, ok(1300));
+        // Its store has not landed yet: the same tombstone again does not
+        // drop the new anchor.
+        let b = a.begin_shared(facts(1200), tomb(4));
+        assert_eq!(b.projection.src, Src::Anchored);
+    }
+}
