@@ -224,9 +224,10 @@ fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::P
     None
 }
 
-fn runtime(threads: usize) -> tokio::runtime::Runtime {
+fn runtime(threads: usize, name: &str) -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
+        .thread_name(name)
         .enable_all()
         .build()
         .unwrap()
@@ -238,10 +239,10 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(3.0);
-    let up_rt = runtime(2);
+    let up_rt = runtime(2, "bench-upstream");
     let up = up_rt.block_on(upstream());
 
-    let px_rt = runtime(2);
+    let px_rt = runtime(2, "bench-tidemark");
     let (px_addr, _admin) = px_rt.block_on(async {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let a = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -259,7 +260,7 @@ fn main() {
     });
     let ngx = nginx(up);
 
-    let gen = runtime(2);
+    let gen = runtime(2, "bench-load");
     let small = Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi."}]}"#);
     let stream = Bytes::from_static(br#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"Count to twenty."}]}"#);
     let big = Bytes::from(history_body(400 * 1024));
