@@ -998,18 +998,28 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     );
 
     if keep_running {
-        let base = format!("http://{}", stack.proxy);
+        // A wildcard listen address (0.0.0.0 in a container) is not a URL to
+        // copy: show loopback, which is also what a published port maps to.
+        let shown = |a: std::net::SocketAddr| {
+            let mut a = a;
+            if a.ip().is_unspecified() {
+                a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+            }
+            a
+        };
+        let (proxy_shown, admin_shown) = (shown(stack.proxy), shown(stack.admin));
+        let base = format!("http://{proxy_shown}");
         println!("\ntidemark is up in front of the simulated provider (Ctrl-C to stop):");
         println!("  OpenAI base URL:     {base}/v1");
         println!("  Anthropic base URL:  {base}");
-        println!("  metrics:             http://{}/metrics", stack.admin);
-        println!("  sessions:            http://{}/sessions", stack.admin);
+        println!("  metrics:             http://{admin_shown}/metrics");
+        println!("  sessions:            http://{admin_shown}/sessions");
+        if stack.proxy.ip().is_unspecified() {
+            println!("  (listening on all interfaces: from another host or a container's host, use its address and the published port)");
+        }
         println!("\n  curl -sN {base}/v1/chat/completions -H 'authorization: Bearer sk-demo' -H 'content-type: application/json' -H 'x-session-id: try-1' -d '{{\"model\":\"gpt-4o\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello 👋\"}}]}}' -D - -o /dev/null");
         println!("  curl -sN {base}/v1/messages -H 'x-api-key: sk-ant-demo' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":256,\"messages\":[{{\"role\":\"user\",\"content\":\"こんにちは\"}}]}}' -D -");
-        println!(
-            "  curl -s http://{}/metrics | grep tidemark_projection",
-            stack.admin
-        );
+        println!("  curl -s http://{admin_shown}/metrics | grep tidemark_projection");
         let traffic = {
             let proxy = stack.proxy;
             tokio::spawn(async move {
