@@ -93,6 +93,10 @@ pin_project! {
         #[pin]
         idle: Option<Sleep>,
         idle_timeout: Duration,
+        // When the last frame arrived. The idle timer is not reset per frame
+        // (a timer-wheel operation under a lock); when it fires early it is
+        // re-armed from here.
+        last_frame: tokio::time::Instant,
         watch: Option<Box<Watch>>,
         done: bool,
         // An upstream error held back for one poll (see `poll_frame`).
@@ -121,6 +125,7 @@ impl ObservedBody {
             inner,
             idle: None,
             idle_timeout: Duration::ZERO,
+            last_frame: tokio::time::Instant::now(),
             watch: None,
             done: false,
             deferred: None,
@@ -132,6 +137,7 @@ impl ObservedBody {
             inner,
             idle: Some(tokio::time::sleep(idle_timeout)),
             idle_timeout,
+            last_frame: tokio::time::Instant::now(),
             watch: Some(Box::new(watch)),
             done: false,
             deferred: None,
@@ -171,8 +177,13 @@ impl Body for ObservedBody {
         loop {
             match this.inner.as_mut().poll_frame(cx) {
                 Poll::Pending => {
-                    if let Some(idle) = this.idle.as_mut().as_pin_mut() {
-                        if idle.poll(cx).is_ready() {
+                    if let Some(mut idle) = this.idle.as_mut().as_pin_mut() {
+                        let due = *this.last_frame + *this.idle_timeout;
+                        if idle.as_mut().poll(cx).is_ready() && idle.deadline() < due {
+                            // Frames came since it was armed: wait from the last one.
+                            idle.as_mut().reset(due);
+                        }
+                        if idle.deadline() >= due && idle.poll(cx).is_ready() {
                             *this.done = true;
                             if let Some(mut w) = this.watch.take() {
                                 w.finish(false, true, true);
@@ -224,9 +235,8 @@ impl Body for ObservedBody {
                     let Some(w) = this.watch.as_mut() else {
                         return Poll::Ready(Some(Ok(frame)));
                     };
-                    if let Some(idle) = this.idle.as_mut().as_pin_mut() {
-                        let deadline = tokio::time::Instant::now() + *this.idle_timeout;
-                        idle.reset(deadline);
+                    if this.idle.is_some() {
+                        *this.last_frame = tokio::time::Instant::now();
                     }
                     let frame = match frame.into_data() {
                         Ok(data) => {
