@@ -649,7 +649,6 @@ async fn api_request(
         }
     }
     let max_output = p.max_output_tokens(&view);
-    drop(view);
     let mut ins = Inspected {
         model_label,
         stream,
@@ -757,10 +756,15 @@ async fn api_request(
             .no_stream_options
             .contains(upstream.authority.as_str())
     {
-        let base: &[u8] = ins.edited.as_deref().unwrap_or(&body);
-        if let Some(b) =
-            RequestView::parse(base).and_then(|v| crate::inject::inject_include_usage(base, &v))
-        {
+        // Untrimmed, the body is the one already viewed (no encoding): no
+        // second parse of a long history. A trimmed body is new and is parsed.
+        let injected = match ins.edited.as_deref() {
+            None => crate::inject::inject_include_usage(&body, &view),
+            Some(t) => {
+                RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v))
+            }
+        };
+        if let Some(b) = injected {
             ins.edited = Some(Bytes::from(b));
             ins.injected = true;
         }
