@@ -212,6 +212,7 @@ fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::P
         .arg(&path)
         .arg("-e")
         .arg(dir.join("error.log"))
+        .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .ok()?;
@@ -222,6 +223,40 @@ fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::P
         std::thread::sleep(Duration::from_millis(25));
     }
     None
+}
+
+/// A bare hyper proxy (http1 server, pooled legacy client, bodies passed
+/// through untouched): the ceiling for any hyper-based proxy on this box.
+async fn bare_proxy(upstream: SocketAddr) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.set_nodelay(true);
+    let client: Client<_, Incoming> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build(http);
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else { continue };
+            let _ = s.set_nodelay(true);
+            let client = client.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let client = client.clone();
+                    async move {
+                        let (mut parts, body) = req.into_parts();
+                        parts.uri = format!("http://{upstream}{}", parts.uri.path()).parse().unwrap();
+                        let resp = client.request(Request::from_parts(parts, body)).await?;
+                        Ok::<_, hyper_util::client::legacy::Error>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
 }
 
 fn runtime(threads: usize, name: &str) -> tokio::runtime::Runtime {
@@ -239,6 +274,14 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(3.0);
+    // `--only tidemark` / `--scenario small`: run a subset (for profiling).
+    let arg = |name: &str| {
+        std::env::args()
+            .skip_while(|a| a != name)
+            .nth(1)
+            .unwrap_or_default()
+    };
+    let (only, scenario) = (arg("--only"), arg("--scenario"));
     let up_rt = runtime(2, "bench-upstream");
     let up = up_rt.block_on(upstream());
 
@@ -259,6 +302,7 @@ fn main() {
         addrs
     });
     let ngx = nginx(up);
+    let bare = px_rt.block_on(bare_proxy(up));
 
     let gen = runtime(2, "bench-load");
     let small = Bytes::from_static(br#"{"model":"gpt-4o","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi."}]}"#);
@@ -269,6 +313,7 @@ fn main() {
         ("direct", format!("http://{up}")),
         ("tidemark", format!("http://{px_addr}")),
     ];
+    targets.push(("hyper", format!("http://{bare}")));
     if let Some((_, port, _)) = &ngx {
         targets.insert(1, ("nginx", format!("http://127.0.0.1:{port}")));
     } else {
@@ -319,7 +364,11 @@ fn main() {
         "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9}",
         "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx"
     );
+    targets.retain(|(t, _)| *t == "direct" || t.contains(only.as_str()));
     for (name, path, body, conc, ttfb) in scenarios {
+        if !name.contains(scenario.as_str()) {
+            continue;
+        }
         // Warm up the pools and the estimator's cache once per target.
         let mut results = Vec::new();
         for (tname, base) in &targets {
@@ -377,7 +426,10 @@ fn main() {
         }
     }
     if let Some((mut child, _, dir)) = ngx {
-        let _ = child.kill();
+        // SIGQUIT: the master stops its workers (SIGKILL would orphan them).
+        let _ = std::process::Command::new("kill")
+            .args(["-QUIT", &child.id().to_string()])
+            .status();
         let _ = child.wait();
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -47,6 +47,7 @@ pub mod inject;
 pub mod inspect;
 pub mod metrics;
 pub mod provider;
+pub mod pool;
 pub mod proxy;
 pub mod server;
 pub mod session;

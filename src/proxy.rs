@@ -29,7 +29,7 @@ use crate::session::{
 use crate::state::{CalField, RedisState};
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::trim::{self, Cut};
-use crate::upstream::{self, Client, UpBody, UpstreamError};
+use crate::upstream::{self, Client, UpBody, UpstreamBody, UpstreamError};
 use crate::usage::UsageReader;
 
 /// Everything a request needs that outlives it.
@@ -327,10 +327,9 @@ async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
 }
 
 /// Send upstream, bounded by `--upstream-timeout` (request sent to response headers).
-async fn send(state: &State, req: Request<UpBody>) -> Result<Response<Incoming>, UpstreamError> {
+async fn send(state: &State, req: Request<UpBody>) -> Result<Response<UpstreamBody>, UpstreamError> {
     match tokio::time::timeout(state.config.upstream_timeout, state.client.request(req)).await {
-        Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(UpstreamError::classify(&e)),
+        Ok(r) => r,
         Err(_) => Err(UpstreamError::Timeout),
     }
 }

@@ -13,8 +13,7 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION};
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper_rustls::{HttpsConnector, MaybeHttpsStream};
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client as HyperClient;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::config::Config;
@@ -22,7 +21,7 @@ use crate::config::Config;
 /// Request bodies sent upstream: the inspected bytes, or the client's stream.
 pub type UpBody = UnsyncBoxBody<Bytes, hyper::Error>;
 
-pub type Client = HyperClient<TimedConnector, UpBody>;
+pub use crate::pool::{Client, UpstreamBody};
 
 /// Why an upstream exchange failed; each maps to a status and an
 /// `x-tidemark-error` kind in `proxy.rs`.
@@ -54,10 +53,18 @@ impl UpstreamError {
         }
     }
 
-    /// Classify a client error by walking its source chain (through the
-    /// errors that `io::Error`s wrap, which `source()` skips).
-    pub fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {
-        fn walk(e: &(dyn StdError + 'static), tls: &mut bool, timeout: &mut bool, depth: u8) {
+    /// Classify a failed exchange by walking its error's source chain
+    /// (through the errors that `io::Error`s wrap, which `source()` skips):
+    /// TLS, a timeout, a refused connect, or else a failed connect (while
+    /// `connecting`) or a reset.
+    pub fn classify(e: &(dyn StdError + 'static), connecting: bool) -> UpstreamError {
+        fn walk(
+            e: &(dyn StdError + 'static),
+            tls: &mut bool,
+            timeout: &mut bool,
+            connect: &mut bool,
+            depth: u8,
+        ) {
             if depth > 16 {
                 return;
             }
@@ -65,26 +72,29 @@ impl UpstreamError {
                 *tls = true;
             }
             if let Some(io) = e.downcast_ref::<std::io::Error>() {
-                if io.kind() == std::io::ErrorKind::TimedOut {
-                    *timeout = true;
+                use std::io::ErrorKind::*;
+                match io.kind() {
+                    TimedOut => *timeout = true,
+                    ConnectionRefused | AddrNotAvailable | HostUnreachable | NetworkUnreachable => {
+                        *connect = true
+                    }
+                    _ => {}
                 }
                 if let Some(inner) = io.get_ref() {
-                    walk(inner, tls, timeout, depth + 1);
+                    walk(inner, tls, timeout, connect, depth + 1);
                 }
             }
             if let Some(s) = e.source() {
-                walk(s, tls, timeout, depth + 1);
+                walk(s, tls, timeout, connect, depth + 1);
             }
         }
-        let (mut tls, mut timeout) = (false, false);
-        if let Some(s) = e.source() {
-            walk(s, &mut tls, &mut timeout, 0);
-        }
+        let (mut tls, mut timeout, mut connect) = (false, false, false);
+        walk(e, &mut tls, &mut timeout, &mut connect, 0);
         if tls {
             UpstreamError::Tls
         } else if timeout {
             UpstreamError::Timeout
-        } else if e.is_connect() {
+        } else if connect || connecting {
             UpstreamError::Connect
         } else {
             UpstreamError::Reset
@@ -170,12 +180,7 @@ pub fn client(config: &Config) -> Result<Client, String> {
         inner: https,
         timeout: config.connect_timeout,
     };
-    Ok(HyperClient::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(256)
-        .timer(hyper_util::rt::TokioTimer::new())
-        .pool_timer(hyper_util::rt::TokioTimer::new())
-        .build(connector))
+    Ok(Client::new(connector, 256, Duration::from_secs(90)))
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1 and the classic RFC 2616 list).
