@@ -237,7 +237,9 @@ async fn bare_proxy(upstream: SocketAddr) -> SocketAddr {
         .build(http);
     tokio::spawn(async move {
         loop {
-            let Ok((s, _)) = l.accept().await else { continue };
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
             let _ = s.set_nodelay(true);
             let client = client.clone();
             tokio::spawn(async move {
@@ -245,7 +247,9 @@ async fn bare_proxy(upstream: SocketAddr) -> SocketAddr {
                     let client = client.clone();
                     async move {
                         let (mut parts, body) = req.into_parts();
-                        parts.uri = format!("http://{upstream}{}", parts.uri.path()).parse().unwrap();
+                        parts.uri = format!("http://{upstream}{}", parts.uri.path())
+                            .parse()
+                            .unwrap();
                         let resp = client.request(Request::from_parts(parts, body)).await?;
                         Ok::<_, hyper_util::client::legacy::Error>(resp)
                     }
@@ -274,7 +278,7 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(3.0);
-    // `--only tidemark` / `--scenario small`: run a subset (for profiling).
+    // `--only tidemark,tap-off` / `--scenario small`: run a subset.
     let arg = |name: &str| {
         std::env::args()
             .skip_while(|a| a != name)
@@ -286,21 +290,22 @@ fn main() {
     let up = up_rt.block_on(upstream());
 
     let px_rt = runtime(2, "bench-tidemark");
-    let (px_addr, _admin) = px_rt.block_on(async {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addrs = (l.local_addr().unwrap(), a.local_addr().unwrap());
-        let config = tidemark::Config::from_args([
-            "tidemark",
-            "--upstream",
-            &format!("http://{up}"),
-            "--route",
-            &format!("/v1/messages=http://{up}"),
-        ])
-        .unwrap();
-        tokio::spawn(tidemark::run(l, a, config, std::future::pending()));
-        addrs
-    });
+    let start_tidemark = |extra: &[&str]| {
+        px_rt.block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let a = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            let (upstream, route) = (format!("http://{up}"), format!("/v1/messages=http://{up}"));
+            let mut args = vec!["tidemark", "--upstream", &upstream, "--route", &route];
+            args.extend_from_slice(extra);
+            let config = tidemark::Config::from_args(args).unwrap();
+            tokio::spawn(tidemark::run(l, a, config, std::future::pending()));
+            addr
+        })
+    };
+    let px_addr = start_tidemark(&[]);
+    // The same proxy with usage reading off (hidden `--no-tap`): what the tap costs.
+    let notap_addr = start_tidemark(&["--no-tap"]);
     let ngx = nginx(up);
     let bare = px_rt.block_on(bare_proxy(up));
 
@@ -314,16 +319,25 @@ fn main() {
         ("tidemark", format!("http://{px_addr}")),
     ];
     targets.push(("hyper", format!("http://{bare}")));
+    targets.push(("tap-off", format!("http://{notap_addr}")));
     if let Some((_, port, _)) = &ngx {
         targets.insert(1, ("nginx", format!("http://127.0.0.1:{port}")));
     } else {
         println!("note: nginx not found (apt-get install nginx-light); its column is skipped");
     }
 
-    let scenarios: [(&str, &str, &Bytes, usize, bool); 5] = [
+    let scenarios: [(&str, &str, &Bytes, usize, bool); 6] = [
         (
             "small non-stream, 32 conc",
             "/v1/chat/completions",
+            &small,
+            32,
+            false,
+        ),
+        (
+            // A path tidemark does not read: the proxy alone.
+            "small non-stream, untapped",
+            "/v1/raw",
             &small,
             32,
             false,
@@ -364,7 +378,7 @@ fn main() {
         "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9}",
         "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx"
     );
-    targets.retain(|(t, _)| *t == "direct" || t.contains(only.as_str()));
+    targets.retain(|(t, _)| *t == "direct" || only.split(',').any(|o| t.contains(o)));
     for (name, path, body, conc, ttfb) in scenarios {
         if !name.contains(scenario.as_str()) {
             continue;
@@ -372,6 +386,9 @@ fn main() {
         // Warm up the pools and the estimator's cache once per target.
         let mut results = Vec::new();
         for (tname, base) in &targets {
+            if *tname == "tap-off" && !name.ends_with("32 conc") {
+                continue;
+            }
             gen.block_on(load(format!("{base}{path}"), body.clone(), conc, 0.3, ttfb));
             let s = gen.block_on(load(
                 format!("{base}{path}"),
@@ -404,6 +421,14 @@ fn main() {
                 s.p99.as_secs_f64() * 1e3,
                 s.rps / direct_rps,
                 vs
+            );
+        }
+        let rps_of = |t: &str| results.iter().find(|(n, _)| *n == t).map(|(_, s)| s.rps);
+        if let (Some(on), Some(off)) = (rps_of("tidemark"), rps_of("tap-off")) {
+            println!(
+                "{:<28} tap on vs off: {:.1}% fewer requests/s",
+                "",
+                (1.0 - on / off) * 100.0
             );
         }
         if ttfb {

@@ -119,6 +119,10 @@ pub struct Flags {
     /// Never add stream_options.include_usage to OpenAI chat streams.
     #[arg(long, env = "TIDEMARK_NO_INJECT_USAGE")]
     pub no_inject_usage: bool,
+    /// Measurement only: forward API responses without reading their usage
+    /// (no anchors, no drift). The benchmark's tap-off column.
+    #[arg(long, hide = true)]
+    pub no_tap: bool,
     /// With no anchor, ask the provider's counting endpoint instead of estimating.
     #[arg(long, env = "TIDEMARK_EXACT_COLD_START")]
     pub exact_cold_start: bool,
@@ -264,6 +268,8 @@ pub struct Config {
     pub reserve_output: bool,
     pub session_budget: Option<u64>,
     pub inject_usage: bool,
+    /// Read usage off responses (off only with the hidden `--no-tap`).
+    pub tap: bool,
     pub exact_cold_start: bool,
     pub connect_timeout: Duration,
     pub upstream_timeout: Duration,
@@ -388,7 +394,8 @@ impl Flags {
             trim_to: self.trim_to,
             reserve_output: self.reserve_output,
             session_budget: self.session_budget,
-            inject_usage: !self.no_inject_usage,
+            inject_usage: !self.no_inject_usage && !self.no_tap,
+            tap: !self.no_tap,
             exact_cold_start: self.exact_cold_start,
             connect_timeout: self.connect_timeout,
             upstream_timeout: self.upstream_timeout,

@@ -25,9 +25,11 @@
 //! 6. **Policy** (`proxy.rs`, `trim.rs`): session budget, then pass / reject
 //!    (in the provider's own error shape) / trim (turn-aware, sticky cut,
 //!    re-projected with the same ruler, rejected if still over).
-//! 7. **Upstream** (`upstream.rs`): hop-by-hop headers dropped, the OpenAI chat
-//!    usage option injected (`inject.rs`), one pooled rustls client with HTTP/2
-//!    by ALPN, connect and response-header timeouts.
+//! 7. **Upstream** (`upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
+//!    OpenAI chat usage option injected (`inject.rs`), connect and
+//!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
+//!    by ALPN) has no task per HTTP/1.1 connection: the response body drives
+//!    its connection, so bytes that arrived together leave together.
 //! 8. **Tap** (`tap.rs`): the response body is wrapped, never buffered: every
 //!    frame goes to the client as it arrives while `usage.rs` decompresses a
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON) and lets the provider
@@ -46,8 +48,8 @@ pub mod estimate;
 pub mod inject;
 pub mod inspect;
 pub mod metrics;
-pub mod provider;
 pub mod pool;
+pub mod provider;
 pub mod proxy;
 pub mod server;
 pub mod session;

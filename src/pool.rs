@@ -86,7 +86,11 @@ struct Driven {
 }
 
 impl Client {
-    pub fn new(connector: TimedConnector, max_idle_per_host: usize, idle_timeout: Duration) -> Self {
+    pub fn new(
+        connector: TimedConnector,
+        max_idle_per_host: usize,
+        idle_timeout: Duration,
+    ) -> Self {
         Client(Arc::new(Shared {
             connector,
             idle: Mutex::new(HashMap::new()),
@@ -97,7 +101,10 @@ impl Client {
     }
 
     /// Send `req` (absolute URI) and wait for the response head.
-    pub async fn request(&self, req: Request<UpBody>) -> Result<Response<UpstreamBody>, UpstreamError> {
+    pub async fn request(
+        &self,
+        req: Request<UpBody>,
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let uri = req.uri().clone();
         let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned())
         else {
@@ -218,7 +225,8 @@ impl Client {
             .path_and_query()
             .map(|pq| pq.as_str())
             .unwrap_or("/");
-        *req.uri_mut() = Uri::try_from(origin).map_err(|_| Retry::Failed(UpstreamError::Connect))?;
+        *req.uri_mut() =
+            Uri::try_from(origin).map_err(|_| Retry::Failed(UpstreamError::Connect))?;
         *req.version_mut() = Version::HTTP_11;
 
         let mut sent = std::pin::pin!(send.try_send_request(req));

@@ -327,7 +327,10 @@ async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
 }
 
 /// Send upstream, bounded by `--upstream-timeout` (request sent to response headers).
-async fn send(state: &State, req: Request<UpBody>) -> Result<Response<UpstreamBody>, UpstreamError> {
+async fn send(
+    state: &State,
+    req: Request<UpBody>,
+) -> Result<Response<UpstreamBody>, UpstreamError> {
     match tokio::time::timeout(state.config.upstream_timeout, state.client.request(req)).await {
         Ok(r) => r,
         Err(_) => Err(UpstreamError::Timeout),
@@ -416,10 +419,7 @@ fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
             })
         });
     match cred {
-        Some(c) if !c.is_empty() => {
-            let d = Sha256::digest(&c);
-            d.iter().take(4).map(|b| format!("{b:02x}")).collect()
-        }
+        Some(c) if !c.is_empty() => hex(&Sha256::digest(&c)[..4]),
         _ => "none".to_string(),
     }
 }
@@ -484,14 +484,18 @@ fn session_key(
     if !any {
         return None;
     }
-    let d = h.finalize();
-    Some(format!(
-        "fp:{}",
-        d.iter()
-            .take(8)
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    ))
+    Some(format!("fp:{}", hex(&h.finalize()[..8])))
+}
+
+/// Lower-case hex, without a `format!` per byte.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 15) as usize] as char);
+    }
+    s
 }
 
 fn is_user_message(raw: &str) -> bool {
@@ -846,7 +850,7 @@ async fn api_request(
     let mut watch = Watch::new(start);
     watch.ttfb = Some(m.ttfb.with_label_values(&[api.as_str()]));
     watch.duration = Some(m.request_duration.with_label_values(&[api.as_str()]));
-    if status.is_success() {
+    if status.is_success() && cfg.tap {
         let ct = rparts
             .headers
             .get(CONTENT_TYPE)

@@ -132,15 +132,18 @@ impl Projection {
 
     /// The `x-context-projection` RFC 8941 item.
     pub fn header_value(&self) -> String {
-        let mut s = format!("{};src={}", self.tokens, self.src.as_str());
+        use std::fmt::Write;
+        let mut s = String::with_capacity(64);
+        let _ = write!(s, "{};src={}", self.tokens, self.src.as_str());
         if let Some(w) = self.window.filter(|w| *w > 0) {
-            s.push_str(&format!(";window={w}"));
+            let _ = write!(s, ";window={w}");
             if let Some(u) = self.util() {
-                s.push_str(&format!(";util={}", decimal(u)));
+                s.push_str(";util=");
+                s.push_str(&decimal(u));
             }
         }
         if let Some(t) = self.turns_left {
-            s.push_str(&format!(";turns-left={t}"));
+            let _ = write!(s, ";turns-left={t}");
         }
         s
     }

@@ -361,9 +361,72 @@ fn json_document(p: &'static dyn Provider, body: &[u8], acc: &mut Observed, erro
     if body.iter().all(u8::is_ascii_whitespace) || !p.may_carry_usage(None, body) {
         return;
     }
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Array(items)) => items.iter().for_each(|v| p.observe(None, v, acc)),
-        Ok(v) => p.observe(None, &v, acc),
+    match serde_json::from_slice::<Doc>(body) {
+        Ok(Doc(Value::Array(items))) => items.iter().for_each(|v| p.observe(None, v, acc)),
+        Ok(Doc(v)) => p.observe(None, &v, acc),
         Err(_) => *errors += 1,
+    }
+}
+
+/// Top-level members of a whole response that hold the generated content:
+/// no provider reads usage there, and they are most of a body's bytes.
+const CONTENT_MEMBERS: &[&str] = &["choices", "content", "candidates", "output"];
+
+/// A whole JSON body (or each element of a top-level array) parsed without
+/// its [`CONTENT_MEMBERS`]: they are checked for syntax but never built into
+/// values, which made parsing a response a tenth of the proxy's CPU.
+struct Doc(Value);
+
+impl<'de> serde::Deserialize<'de> for Doc {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(DocVisitor)
+    }
+}
+
+struct DocVisitor;
+
+impl<'de> serde::de::Visitor<'de> for DocVisitor {
+    type Value = Doc;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON document")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Doc, A::Error> {
+        let mut m = serde_json::Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            if CONTENT_MEMBERS.contains(&k.as_str()) {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            } else {
+                m.insert(k, map.next_value::<Value>()?);
+            }
+        }
+        Ok(Doc(Value::Object(m)))
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Doc, A::Error> {
+        let mut v = Vec::new();
+        while let Some(Doc(e)) = seq.next_element::<Doc>()? {
+            v.push(e);
+        }
+        Ok(Doc(Value::Array(v)))
+    }
+    fn visit_bool<E>(self, b: bool) -> Result<Doc, E> {
+        Ok(Doc(Value::Bool(b)))
+    }
+    fn visit_i64<E>(self, n: i64) -> Result<Doc, E> {
+        Ok(Doc(n.into()))
+    }
+    fn visit_u64<E>(self, n: u64) -> Result<Doc, E> {
+        Ok(Doc(n.into()))
+    }
+    fn visit_f64<E>(self, n: f64) -> Result<Doc, E> {
+        Ok(Doc(
+            serde_json::Number::from_f64(n).map_or(Value::Null, Value::Number)
+        ))
+    }
+    fn visit_str<E>(self, s: &str) -> Result<Doc, E> {
+        Ok(Doc(Value::String(s.to_owned())))
+    }
+    fn visit_unit<E>(self) -> Result<Doc, E> {
+        Ok(Doc(Value::Null))
     }
 }

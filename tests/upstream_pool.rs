@@ -1,0 +1,182 @@
+//! tidemark's own upstream client (src/pool.rs), against a raw TCP upstream
+//! that counts its connections and chooses exactly how bytes hit the wire:
+//! keep-alive reuse, an idle connection the upstream closed, and a burst of
+//! events written at once leaving the proxy together, byte for byte.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::BodyExt;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How the raw upstream behaves after each response.
+#[derive(Clone, Copy)]
+enum After {
+    KeepAlive,
+    /// Close the socket right after the response, without `Connection: close`
+    /// (a server whose idle timeout fired): the proxy must not reuse it.
+    Close,
+}
+
+/// Read one request (head plus `content-length` body); false at EOF.
+async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                buf.drain(..end + 4 + len);
+                return true;
+            }
+        }
+        let mut chunk = [0u8; 16384];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// A raw upstream answering every request with `response` (written with one
+/// `write_all`); returns its URL and the number of connections accepted.
+async fn raw_upstream(response: Vec<u8>, after: After) -> (String, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let conns = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&conns);
+    let response = Arc::new(response);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let response = Arc::clone(&response);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while read_request(&mut s, &mut buf).await {
+                    if s.write_all(&response).await.is_err() {
+                        return;
+                    }
+                    if let After::Close = after {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, conns)
+}
+
+const BODY: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+
+fn json_response() -> Vec<u8> {
+    let body = r#"{"id":"c1","object":"chat.completion","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}"#;
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_requests_reuse_one_upstream_connection() {
+    let (url, conns) = raw_upstream(json_response(), After::KeepAlive).await;
+    let px = proxy(&url, &[]).await;
+    let client = client_h1();
+    for _ in 0..5 {
+        let (parts, body) = post_json(&client, &px.url("/v1/chat/completions"), BODY).await;
+        assert_eq!(parts.status, 200);
+        assert!(body.ends_with(b"\"total_tokens\":10}}"));
+    }
+    // Passthrough paths share the pool too.
+    let (parts, _) = post_json(&client, &px.url("/v1/other"), BODY).await;
+    assert_eq!(parts.status, 200);
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "one keep-alive connection");
+    px.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_upstream_closed_while_idle_is_not_reused() {
+    let (url, conns) = raw_upstream(json_response(), After::Close).await;
+    let px = proxy(&url, &[]).await;
+    let client = client_h1();
+    for i in 0..5 {
+        let (parts, body) = post_json(&client, &px.url("/v1/chat/completions"), BODY).await;
+        assert_eq!(parts.status, 200, "request {i}");
+        assert!(body.ends_with(b"\"total_tokens\":10}}"));
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 5);
+    px.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_that_arrive_together_leave_together_byte_for_byte() {
+    // 50 events in one chunked response, written with a single write.
+    let mut payload = Vec::new();
+    for i in 0..50 {
+        let ev = format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n");
+        payload.extend_from_slice(format!("{:x}\r\n{ev}\r\n", ev.len()).as_bytes());
+    }
+    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":50,\"total_tokens\":57}}\n\ndata: [DONE]\n\n";
+    payload.extend_from_slice(format!("{:x}\r\n{usage}\r\n0\r\n\r\n", usage.len()).as_bytes());
+    let mut response =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+    response.extend_from_slice(&payload);
+    let expected: Vec<u8> = {
+        let mut e = Vec::new();
+        for i in 0..50 {
+            e.extend_from_slice(
+                format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n")
+                    .as_bytes(),
+            );
+        }
+        e.extend_from_slice(usage.as_bytes());
+        e
+    };
+
+    let (url, _) = raw_upstream(response, After::KeepAlive).await;
+    let px = proxy(&url, &[]).await;
+    let client = client_h1();
+    let req = Request::post(px.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(full(Bytes::from_static(
+            br#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[]}"#,
+        )))
+        .unwrap();
+    let resp = within(30, client.request(req)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let (mut got, mut frames) = (Vec::new(), 0);
+    while let Some(f) = within(30, body.frame()).await {
+        if let Ok(d) = f.unwrap().into_data() {
+            frames += 1;
+            got.extend_from_slice(&d);
+        }
+    }
+    assert_eq!(
+        got, expected,
+        "the client gets exactly the upstream's bytes"
+    );
+    // hyper's own pooled client would hand these over, and write them, one
+    // event at a time (51 frames).
+    assert!(frames <= 5, "{frames} frames for one burst");
+
+    // And the tap read the usage event inside the burst.
+    let (_, metrics) = get(&client, &px.admin_url("/metrics")).await;
+    let text = String::from_utf8_lossy(&metrics);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("tidemark_prompt_tokens_real_total") && l.ends_with(" 7")),
+        "usage read from the coalesced burst"
+    );
+    px.stop().await;
+}
