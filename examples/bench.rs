@@ -2,7 +2,12 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream]
+//!
+//! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
+//! hyper's own pooled client (what a proxy built the obvious way with hyper
+//! reaches); `tap-off`, tidemark with the hidden `--no-tap` on the two API
+//! rows, so the tap's cost is measured in the same run.
 //!
 //! The upstream, tidemark and the load generator each get their own tokio
 //! runtime; nginx (Debian package, `proxy_buffering off`) runs as its own
