@@ -2,7 +2,7 @@
 //! buffer: it sees the stream in whatever chunks the network delivers and
 //! hands complete events on, holding only the unfinished line and event.
 
-use memchr::{memchr, memchr2};
+use memchr::{memchr, memchr2, memmem};
 
 /// Most bytes one unfinished line plus one unfinished event may hold. A
 /// Responses terminal event repeats the whole response (output, instructions,
@@ -47,7 +47,21 @@ impl SseScanner {
     }
 
     /// Feed the next bytes; `on_event` is called for each event completed by them.
-    pub fn feed(&mut self, mut chunk: &[u8], on_event: &mut dyn FnMut(Event<'_>)) {
+    pub fn feed(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(Event<'_>)) {
+        self.feed_skipping(chunk, &|_| false, on_event)
+    }
+
+    /// [`feed`](Self::feed), except that a whole event found in `chunk` at an
+    /// event boundary (LF line ends, ending in a blank line) for which `inert`
+    /// says its raw bytes cannot matter is stepped over unread: no line
+    /// splitting, no copy, no callback. `inert` must only say so of events
+    /// `on_event` would ignore; a provider's check errs towards "matters".
+    pub fn feed_skipping(
+        &mut self,
+        mut chunk: &[u8],
+        inert: &dyn Fn(&[u8]) -> bool,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) {
         if self.overflowed {
             return;
         }
@@ -72,7 +86,42 @@ impl SseScanner {
                 chunk = &chunk[1..];
             }
         }
+        loop {
+            while self.at_boundary() && !chunk.is_empty() {
+                let Some(end) = memmem::find(chunk, b"\n\n") else {
+                    break;
+                };
+                let event = &chunk[..end + 2];
+                if memchr(b'\r', event).is_some() || !inert(event) {
+                    break;
+                }
+                chunk = &chunk[end + 2..];
+            }
+            match self.feed_lines(chunk, on_event) {
+                Some(rest) if !rest.is_empty() => chunk = rest,
+                _ => return,
+            }
+        }
+    }
+
+    /// Nothing carried over: the next byte starts a line of a new event.
+    fn at_boundary(&self) -> bool {
+        self.line.is_empty()
+            && self.data.is_empty()
+            && self.name.is_empty()
+            && !self.after_cr
+            && !self.overflowed
+    }
+
+    /// Lines of `chunk` up to and including the next blank line; returns
+    /// what follows it, or `None` when the chunk ran out (its tail kept).
+    fn feed_lines<'c>(
+        &mut self,
+        mut chunk: &'c [u8],
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Option<&'c [u8]> {
         while let Some(i) = memchr2(b'\n', b'\r', chunk) {
+            let blank = i == 0 && self.line.is_empty();
             if self.line.is_empty() {
                 self.line_done(&chunk[..i], on_event);
             } else {
@@ -92,11 +141,15 @@ impl SseScanner {
             }
             chunk = &chunk[next..];
             if self.overflowed {
-                return;
+                return None;
+            }
+            if blank {
+                return Some(chunk);
             }
         }
         self.line.extend_from_slice(chunk);
         self.check_cap();
+        None
     }
 
     /// The stream ended. Per the standard an unfinished event is discarded;

@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, session_budget_message, Api, CountedField, ErrorShape, Observed, Provider,
-    ERROR, USAGE,
+    count, has_member, only_null, session_budget_message, Api, CountedField, ErrorShape, Observed,
+    Provider, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -67,6 +67,15 @@ impl Provider for Anthropic {
             // No event names (a non-stream body, or a proxy that dropped them).
             None => has_member(data, &USAGE) || has_member(data, &ERROR),
         }
+    }
+    fn sse_event_inert(&self, raw: &[u8]) -> bool {
+        // Named or not, an event that can matter says one of these.
+        static MATTERS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 3]> =
+            std::sync::LazyLock::new(|| {
+                [b"message_start".as_slice(), b"message_delta", b"error"]
+                    .map(memchr::memmem::Finder::new)
+            });
+        MATTERS.iter().all(|f| f.find(raw).is_none()) && only_null(raw, &USAGE)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         let usage = match json.get("type").and_then(Value::as_str) {

@@ -176,6 +176,14 @@ pub trait Provider: Send + Sync + 'static {
     /// a response id or an error? `event` is the SSE `event:` name.
     fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool;
 
+    /// Could a whole SSE event, as raw bytes (`event:`/`data:` lines and
+    /// all), be skipped unread? Only if [`may_carry_usage`](Self::may_carry_usage)
+    /// would say no for it whatever its lines hold; when unsure, `false`
+    /// (the default: every event is read).
+    fn sse_event_inert(&self, _raw: &[u8]) -> bool {
+        false
+    }
+
     /// Fold one parsed event (or NDJSON line, or a whole JSON body) into `acc`.
     /// Later values replace earlier ones: repeated usage is cumulative.
     fn observe(&self, event: Option<&str>, json: &Value, acc: &mut Observed);
@@ -247,6 +255,24 @@ pub(crate) fn has_member(data: &[u8], key: &Key) -> bool {
     })
 }
 
+/// Does every occurrence of `key` in `raw` read `key: null` (whitespace
+/// allowed)? The conservative side of [`has_member`] for raw SSE bytes: a key
+/// followed by anything else, a line break into another `data:` line
+/// included, counts as a value.
+pub(crate) fn only_null(raw: &[u8], key: &Key) -> bool {
+    let ws = |b: &u8| matches!(b, b' ' | b'\t');
+    let len = key.needle().len();
+    key.find_iter(raw).all(|at| {
+        let rest = &raw[at + len..];
+        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
+        let Some(rest) = rest.strip_prefix(b":") else {
+            return false;
+        };
+        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
+        rest.starts_with(b"null")
+    })
+}
+
 /// Whether a JSON value is set to something (not absent, null, false or "").
 pub(crate) fn truthy(v: Option<&Value>) -> bool {
     match v {
@@ -310,5 +336,19 @@ mod helper_tests {
         assert!(!has_member(br#"{"text":"usage"}"#, &USAGE));
         assert!(!has_member(br#"{"text":"\"usage\" is"}"#, &USAGE));
         assert!(has_member(br#"{"usage":"#, &USAGE));
+    }
+
+    #[test]
+    fn only_null_errs_towards_a_value() {
+        assert!(only_null(b"data: {\"usage\":null,\"x\":1}\n\n", &USAGE));
+        assert!(only_null(b"data: {\"choices\":[]}\n\n", &USAGE));
+        assert!(!only_null(b"data: {\"usage\": {\"a\":1}}\n\n", &USAGE));
+        assert!(!only_null(
+            b"data: {\"usage\":null,\"usage\":{}}\n\n",
+            &USAGE
+        ));
+        // Split over two data lines: joined it reads `"usage":\n{`.
+        assert!(!only_null(b"data: {\"usage\":\ndata: {}}\n\n", &USAGE));
+        assert!(!only_null(b"data: {\"usage\"\ndata: :{}}\n\n", &USAGE));
     }
 }

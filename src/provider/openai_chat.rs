@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape, Observed,
-    Provider, Usage, ERROR, USAGE,
+    count, has_member, only_null, openai_error_body, truthy, Api, CountedField, ErrorShape,
+    Observed, Provider, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -47,6 +47,9 @@ impl Provider for OpenAiChat {
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         // With injection every chunk carries `"usage":null`: only a real object counts.
         has_member(data, &USAGE) || has_member(data, &ERROR)
+    }
+    fn sse_event_inert(&self, raw: &[u8]) -> bool {
+        only_null(raw, &USAGE) && only_null(raw, &ERROR)
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if truthy(json.get("error")) {
