@@ -244,15 +244,15 @@ pub(crate) fn subset_object(req: &RequestView<'_>, keep: &[&str]) -> Vec<u8> {
 pub(crate) fn has_member(data: &[u8], key: &Key) -> bool {
     let ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
     let len = key.needle().len();
-    key.find_iter(data).any(|at| {
-        let rest = &data[at + len..];
-        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
-        let Some(rest) = rest.strip_prefix(b":") else {
-            return false;
-        };
-        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
-        !rest.starts_with(b"null")
-    })
+    key.find_iter(data)
+        .any(|at| member_value(&data[at + len..], ws).is_some_and(|v| !v.starts_with(b"null")))
+}
+
+/// What follows `: ` after a key, whitespace as `ws` says; `None` without a colon.
+fn member_value(rest: &[u8], ws: impl Fn(&u8) -> bool) -> Option<&[u8]> {
+    let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
+    let rest = rest.strip_prefix(b":")?;
+    Some(&rest[rest.iter().take_while(|b| ws(b)).count()..])
 }
 
 /// Does every occurrence of `key` in `raw` read `key: null` (whitespace
@@ -262,15 +262,8 @@ pub(crate) fn has_member(data: &[u8], key: &Key) -> bool {
 pub(crate) fn only_null(raw: &[u8], key: &Key) -> bool {
     let ws = |b: &u8| matches!(b, b' ' | b'\t');
     let len = key.needle().len();
-    key.find_iter(raw).all(|at| {
-        let rest = &raw[at + len..];
-        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
-        let Some(rest) = rest.strip_prefix(b":") else {
-            return false;
-        };
-        let rest = &rest[rest.iter().take_while(|b| ws(b)).count()..];
-        rest.starts_with(b"null")
-    })
+    key.find_iter(raw)
+        .all(|at| member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")))
 }
 
 /// Whether a JSON value is set to something (not absent, null, false or "").
