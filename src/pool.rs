@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http::header::HOST;
-use http::uri::{Authority, Scheme};
-use http::{HeaderValue, Request, Response, Uri, Version};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
@@ -113,7 +113,7 @@ impl Client {
         let key = Key(scheme, authority);
         let mut req = req;
         if let Some(h2) = self.h2_for(&key) {
-            match send_h2(h2, req).await {
+            match send_h2(h2, &key, req).await {
                 Ok(r) => return Ok(r),
                 Err(Retry::Again(r)) => {
                     self.0.h2.lock().unwrap().remove(&key);
@@ -147,22 +147,14 @@ impl Client {
             tokio::spawn(async move {
                 let _ = conn.await;
             });
-            self.0.h2.lock().unwrap().insert(key, send.clone());
-            return match send_h2(send, req).await {
-                Ok(r) => Ok(r),
-                Err(Retry::Again(_)) => Err(UpstreamError::Reset),
-                Err(Retry::Failed(e)) => Err(e),
-            };
+            self.0.h2.lock().unwrap().insert(key.clone(), send.clone());
+            return on_fresh(send_h2(send, &key, req).await);
         }
         let (send, conn) = http1::Builder::new()
             .handshake(io)
             .await
             .map_err(|e| UpstreamError::classify(&e, true))?;
-        match self.send_h1(send, conn, &key, req).await {
-            Ok(r) => Ok(r),
-            Err(Retry::Again(_)) => Err(UpstreamError::Reset),
-            Err(Retry::Failed(e)) => Err(e),
-        }
+        on_fresh(self.send_h1(send, conn, &key, req).await)
     }
 
     fn h2_for(&self, key: &Key) -> Option<http2::SendRequest<UpBody>> {
@@ -214,20 +206,7 @@ impl Client {
         key: &Key,
         mut req: Request<UpBody>,
     ) -> Result<Response<UpstreamBody>, Retry> {
-        // HTTP/1.1 wants the origin form and a Host header.
-        if !req.headers().contains_key(HOST) {
-            if let Ok(v) = HeaderValue::from_str(key.1.as_str()) {
-                req.headers_mut().insert(HOST, v);
-            }
-        }
-        let origin = req
-            .uri()
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
-        *req.uri_mut() =
-            Uri::try_from(origin).map_err(|_| Retry::Failed(UpstreamError::Connect))?;
-        *req.version_mut() = Version::HTTP_11;
+        target(&mut req, key, false);
 
         let mut sent = std::pin::pin!(send.try_send_request(req));
         let mut conn_done = false;
@@ -264,12 +243,49 @@ enum Retry {
     Failed(UpstreamError),
 }
 
+/// A request a new connection did not take: nothing more to try.
+fn on_fresh(
+    r: Result<Response<UpstreamBody>, Retry>,
+) -> Result<Response<UpstreamBody>, UpstreamError> {
+    r.map_err(|e| match e {
+        Retry::Again(_) => UpstreamError::Reset,
+        Retry::Failed(e) => e,
+    })
+}
+
+/// Point `req` at `key` in the form its protocol wants: HTTP/2 the absolute
+/// URI (its `:scheme` and `:authority`), HTTP/1.1 the origin form and `Host`.
+/// Either way round, since a request an idle connection gave back is sent
+/// again on whatever connection comes next.
+fn target(req: &mut Request<UpBody>, key: &Key, h2: bool) {
+    let mut parts = std::mem::take(req.uri_mut()).into_parts();
+    if parts.path_and_query.is_none() {
+        parts.path_and_query = Some(PathAndQuery::from_static("/"));
+    }
+    if h2 {
+        parts.scheme = Some(key.0.clone());
+        parts.authority = Some(key.1.clone());
+        req.headers_mut().remove(HOST);
+        *req.version_mut() = Version::HTTP_2;
+    } else {
+        parts.scheme = None;
+        parts.authority = None;
+        if !req.headers().contains_key(HOST) {
+            if let Some(v) = crate::upstream::host_value(&key.1) {
+                req.headers_mut().insert(HOST, v);
+            }
+        }
+        *req.version_mut() = Version::HTTP_11;
+    }
+    *req.uri_mut() = Uri::from_parts(parts).unwrap_or_default();
+}
+
 async fn send_h2(
     mut send: http2::SendRequest<UpBody>,
+    key: &Key,
     mut req: Request<UpBody>,
 ) -> Result<Response<UpstreamBody>, Retry> {
-    *req.version_mut() = Version::HTTP_2;
-    req.headers_mut().remove(HOST);
+    target(&mut req, key, true);
     if poll_fn(|cx| send.poll_ready(cx)).await.is_err() {
         return Err(Retry::Again(req));
     }

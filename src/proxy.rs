@@ -419,7 +419,7 @@ fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
             })
         });
     match cred {
-        Some(c) if !c.is_empty() => hex(&Sha256::digest(&c)[..4]),
+        Some(c) if !c.is_empty() => crate::session::hex(&Sha256::digest(&c)[..4]),
         _ => "none".to_string(),
     }
 }
@@ -484,18 +484,7 @@ fn session_key(
     if !any {
         return None;
     }
-    Some(format!("fp:{}", hex(&h.finalize()[..8])))
-}
-
-/// Lower-case hex, without a `format!` per byte.
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
-    s
+    Some(format!("fp:{}", crate::session::hex(&h.finalize()[..8])))
 }
 
 fn is_user_message(raw: &str) -> bool {

@@ -149,6 +149,17 @@ impl Projection {
     }
 }
 
+/// Lower-case hex, without a `format!` per byte (session keys, hashed ids).
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 15) as usize] as char);
+    }
+    s
+}
+
 /// An RFC 8941 decimal: at most three fractional digits, trailing zeros dropped.
 pub fn decimal(v: f64) -> String {
     let s = format!("{v:.3}");

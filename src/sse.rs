@@ -294,6 +294,28 @@ mod tests {
     }
 
     #[test]
+    fn inert_events_are_stepped_over_and_the_rest_still_arrive_at_every_split() {
+        let text =
+            b"data: skip 1\n\ndata: keep 1\n\n: c\ndata: skip 2\n\nevent: e\ndata: keep 2\n\n";
+        let inert = |raw: &[u8]| memmem::find(raw, b"skip").is_some();
+        for i in 0..=text.len() {
+            let (mut s, mut seen) = (SseScanner::new(), Vec::new());
+            for part in [&text[..i], &text[i..]] {
+                s.feed_skipping(part, &inert, &mut |e| {
+                    seen.push(String::from_utf8_lossy(e.data).into_owned())
+                });
+            }
+            // Every event that matters arrives, whole and in order...
+            let kept: Vec<&String> = seen.iter().filter(|d| d.starts_with("keep")).collect();
+            assert_eq!(kept, ["keep 1", "keep 2"], "split at {i}");
+            // ...and unsplit, the inert ones are never handed over.
+            if i == 0 || i == text.len() {
+                assert_eq!(seen, ["keep 1", "keep 2"]);
+            }
+        }
+    }
+
+    #[test]
     fn unfinished_event_is_offered_at_finish() {
         let mut s = SseScanner::new();
         s.feed(b"event: e\ndata: {\"a\":1}", &mut |_| {

@@ -240,13 +240,7 @@ fn id_part(id: &str) -> std::borrow::Cow<'_, str> {
     if id.len() <= MAX_ID_BYTES {
         return id.into();
     }
-    let d = Sha256::digest(id.as_bytes());
-    let mut s = String::with_capacity(2 + 64);
-    s.push_str("h:");
-    for b in d {
-        s.push_str(&format!("{b:02x}"));
-    }
-    s.into()
+    format!("h:{}", crate::session::hex(&Sha256::digest(id.as_bytes()))).into()
 }
 
 /// The three keys of one session: counter, record, spend.

@@ -117,40 +117,40 @@ async fn a_connection_the_upstream_closed_while_idle_is_not_reused() {
     px.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn events_that_arrive_together_leave_together_byte_for_byte() {
-    // 50 events in one chunked response, written with a single write.
-    let mut payload = Vec::new();
+/// 50 events and a usage event as one chunked response written with a
+/// single write; returns it and the body bytes the client must receive.
+fn burst() -> (Vec<u8>, Vec<u8>) {
+    let mut events = Vec::new();
     for i in 0..50 {
-        let ev = format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n");
-        payload.extend_from_slice(format!("{:x}\r\n{ev}\r\n", ev.len()).as_bytes());
+        events.push(format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"
+        ));
     }
-    let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":50,\"total_tokens\":57}}\n\ndata: [DONE]\n\n";
-    payload.extend_from_slice(format!("{:x}\r\n{usage}\r\n0\r\n\r\n", usage.len()).as_bytes());
+    events.push("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":50,\"total_tokens\":57}}\n\ndata: [DONE]\n\n".to_string());
     let mut response =
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
             .to_vec();
-    response.extend_from_slice(&payload);
-    let expected: Vec<u8> = {
-        let mut e = Vec::new();
-        for i in 0..50 {
-            e.extend_from_slice(
-                format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n")
-                    .as_bytes(),
-            );
-        }
-        e.extend_from_slice(usage.as_bytes());
-        e
-    };
+    for ev in &events {
+        response.extend_from_slice(format!("{:x}\r\n{ev}\r\n", ev.len()).as_bytes());
+    }
+    response.extend_from_slice(b"0\r\n\r\n");
+    (response, events.concat().into_bytes())
+}
 
+/// Stream the burst through a proxy started with `flags`: the bytes the
+/// client got, in how many frames, and the proxy's metrics text.
+/// `model` names the request's model, so that this test's line of the
+/// process-wide metrics is its own.
+async fn through_proxy(flags: &[&str], model: &str) -> (Vec<u8>, usize, Vec<u8>, String) {
+    let (response, expected) = burst();
     let (url, _) = raw_upstream(response, After::KeepAlive).await;
-    let px = proxy(&url, &[]).await;
+    let px = proxy(&url, flags).await;
     let client = client_h1();
     let req = Request::post(px.url("/v1/chat/completions"))
         .header("content-type", "application/json")
-        .body(full(Bytes::from_static(
-            br#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[]}"#,
-        )))
+        .body(full(Bytes::from(format!(
+            r#"{{"model":"{model}","stream":true,"stream_options":{{"include_usage":true}},"messages":[]}}"#
+        ))))
         .unwrap();
     let resp = within(30, client.request(req)).await.unwrap();
     assert_eq!(resp.status(), 200);
@@ -162,6 +162,27 @@ async fn events_that_arrive_together_leave_together_byte_for_byte() {
             got.extend_from_slice(&d);
         }
     }
+    let (_, metrics) = get(&client, &px.admin_url("/metrics")).await;
+    px.stop().await;
+    (
+        got,
+        frames,
+        expected,
+        String::from_utf8_lossy(&metrics).into_owned(),
+    )
+}
+
+fn real_prompt_tokens<'m>(metrics: &'m str, model: &str) -> Option<&'m str> {
+    let label = format!("model=\"{model}\"");
+    metrics
+        .lines()
+        .find(|l| l.starts_with("tidemark_prompt_tokens_real_total") && l.contains(&label))
+        .and_then(|l| l.rsplit(' ').next())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_that_arrive_together_leave_together_byte_for_byte() {
+    let (got, frames, expected, metrics) = through_proxy(&[], "gpt-4o-burst").await;
     assert_eq!(
         got, expected,
         "the client gets exactly the upstream's bytes"
@@ -169,14 +190,21 @@ async fn events_that_arrive_together_leave_together_byte_for_byte() {
     // hyper's own pooled client would hand these over, and write them, one
     // event at a time (51 frames).
     assert!(frames <= 5, "{frames} frames for one burst");
-
     // And the tap read the usage event inside the burst.
-    let (_, metrics) = get(&client, &px.admin_url("/metrics")).await;
-    let text = String::from_utf8_lossy(&metrics);
-    assert!(
-        text.lines()
-            .any(|l| l.starts_with("tidemark_prompt_tokens_real_total") && l.ends_with(" 7")),
-        "usage read from the coalesced burst"
+    assert_eq!(
+        real_prompt_tokens(&metrics, "gpt-4o-burst"),
+        Some("7"),
+        "usage read from the burst"
     );
-    px.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_tap_forwards_the_same_bytes_and_reads_no_usage() {
+    let (got, _, expected, metrics) = through_proxy(&["--no-tap"], "gpt-4o-notap").await;
+    assert_eq!(got, expected);
+    assert_eq!(
+        real_prompt_tokens(&metrics, "gpt-4o-notap"),
+        None,
+        "--no-tap reads nothing"
+    );
 }
