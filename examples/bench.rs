@@ -2,7 +2,7 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5]
 //!
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
@@ -127,6 +127,8 @@ fn history_body(bytes: usize) -> String {
 
 struct Stats {
     rps: f64,
+    /// Requests completed (for CPU per request).
+    n: usize,
     p50: Duration,
     p99: Duration,
 }
@@ -189,9 +191,52 @@ async fn load(url: String, body: Bytes, conc: usize, secs: f64, ttfb: bool) -> S
     let n = all.len();
     Stats {
         rps: n as f64 / elapsed,
+        n,
         p50: pct(&mut all, 0.5),
         p99: pct(&mut all, 0.99),
     }
+}
+
+/// CPU time (user + system) of this process's threads whose name starts
+/// with `prefix`, or of every process whose parent is `ppid` (nginx's
+/// workers), from /proc. Clock ticks are 10 ms; cells run for seconds.
+fn cpu_secs(prefix: &str, ppid: Option<u32>) -> f64 {
+    let tick = 100.0; // sysconf(_SC_CLK_TCK) on Linux
+    let fields = |stat: &str| -> Option<(u32, u64)> {
+        // comm may hold spaces: fields start after the last ')'.
+        let rest = stat.get(stat.rfind(')')? + 2..)?;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        Some((
+            f.get(1)?.parse().ok()?,
+            f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?,
+        ))
+    };
+    let mut ticks = 0u64;
+    if let Some(ppid) = ppid {
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            if let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) {
+                if let Some((pp, t)) = fields(&stat) {
+                    if pp == ppid {
+                        ticks += t;
+                    }
+                }
+            }
+        }
+    } else {
+        for e in std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+            if comm.starts_with(prefix) {
+                if let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) {
+                    ticks += fields(&stat).map_or(0, |(_, t)| t);
+                }
+            }
+        }
+    }
+    ticks as f64 / tick
 }
 
 fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::PathBuf)> {
@@ -291,6 +336,7 @@ fn main() {
             .unwrap_or_default()
     };
     let (only, scenario) = (arg("--only"), arg("--scenario"));
+    let repeat: usize = arg("--repeat").parse().unwrap_or(1).max(1);
     let up_rt = runtime(2, "bench-upstream");
     let up = up_rt.block_on(upstream());
 
@@ -378,10 +424,10 @@ fn main() {
             true,
         ),
     ];
-    println!("tidemark bench: {secs}s per cell, upstream/proxy/load each on its own 2-thread runtime, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!("tidemark bench: {secs}s per cell (median of {repeat}), upstream/proxy/load each on its own 2-thread runtime, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     println!(
-        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9}",
-        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx"
+        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}",
+        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx", "proxy us/req"
     );
     targets.retain(|(t, _)| *t == "direct" || only.split(',').any(|o| t.contains(o)));
     for (name, path, body, conc, ttfb) in scenarios {
@@ -389,46 +435,84 @@ fn main() {
             continue;
         }
         // Warm up the pools and the estimator's cache once per target.
-        let mut results = Vec::new();
-        for (tname, base) in &targets {
-            if *tname == "tap-off" && !name.ends_with("32 conc") {
-                continue;
+        // `--repeat N`: the targets take turns N times and each reports its
+        // median cell, so a burst of load from a neighbour on this shared
+        // machine lands on one cell of every target, not on all of one.
+        type Cells = Vec<(Stats, Option<f64>)>;
+        let mut runs: Vec<(&str, Cells)> = Vec::new();
+        for round in 0..repeat {
+            for (tname, base) in &targets {
+                if *tname == "tap-off" && !name.ends_with("32 conc") {
+                    continue;
+                }
+                if round == 0 {
+                    gen.block_on(load(format!("{base}{path}"), body.clone(), conc, 0.3, ttfb));
+                }
+                // The proxy's own CPU: tidemark's runtime threads (which also
+                // host the bare hyper proxy; one target is loaded at a time) or
+                // nginx's worker processes.
+                let cpu = || match *tname {
+                    "direct" => None,
+                    "nginx" => ngx.as_ref().map(|(c, _, _)| cpu_secs("", Some(c.id()))),
+                    _ => Some(cpu_secs("bench-tidemark", None)),
+                };
+                let before = cpu();
+                let s = gen.block_on(load(
+                    format!("{base}{path}"),
+                    body.clone(),
+                    conc,
+                    secs,
+                    ttfb,
+                ));
+                let used = cpu().zip(before).map(|(a, b)| (a - b) / s.n.max(1) as f64);
+                match runs.iter_mut().find(|(t, _)| t == tname) {
+                    Some((_, v)) => v.push((s, used)),
+                    None => runs.push((*tname, vec![(s, used)])),
+                }
             }
-            gen.block_on(load(format!("{base}{path}"), body.clone(), conc, 0.3, ttfb));
-            let s = gen.block_on(load(
-                format!("{base}{path}"),
-                body.clone(),
-                conc,
-                secs,
-                ttfb,
-            ));
-            results.push((*tname, s));
         }
+        let results: Vec<(&str, Stats, Option<f64>)> = runs
+            .into_iter()
+            .map(|(t, mut v)| {
+                v.sort_by(|a, b| a.0.rps.total_cmp(&b.0.rps));
+                let (s, cpu) = v.swap_remove(v.len() / 2);
+                (t, s, cpu)
+            })
+            .collect();
         let nginx_rps = results
             .iter()
-            .find(|(t, _)| *t == "nginx")
-            .map(|(_, s)| s.rps);
+            .find(|(t, _, _)| *t == "nginx")
+            .map(|(_, s, _)| s.rps);
         let direct_rps = results
             .iter()
-            .find(|(t, _)| *t == "direct")
-            .map(|(_, s)| s.rps)
+            .find(|(t, _, _)| *t == "direct")
+            .map(|(_, s, _)| s.rps)
             .unwrap_or(f64::NAN);
-        for (tname, s) in &results {
+        for (tname, s, cpu) in &results {
             let vs = nginx_rps
                 .map(|n| format!("{:.2}x", s.rps / n))
                 .unwrap_or_else(|| "-".into());
+            let cpu = cpu
+                .map(|c| format!("{:.1}", c * 1e6))
+                .unwrap_or_else(|| "-".into());
             println!(
-                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9.2}x {:>9}",
+                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9.2}x {:>9} {:>12}",
                 name,
                 tname,
                 s.rps,
                 s.p50.as_secs_f64() * 1e3,
                 s.p99.as_secs_f64() * 1e3,
                 s.rps / direct_rps,
-                vs
+                vs,
+                cpu
             );
         }
-        let rps_of = |t: &str| results.iter().find(|(n, _)| *n == t).map(|(_, s)| s.rps);
+        let rps_of = |t: &str| {
+            results
+                .iter()
+                .find(|(n, _, _)| *n == t)
+                .map(|(_, s, _)| s.rps)
+        };
         if let (Some(on), Some(off)) = (rps_of("tidemark"), rps_of("tap-off")) {
             println!(
                 "{:<28} tap on vs off: {:.1}% fewer requests/s",
@@ -439,10 +523,10 @@ fn main() {
         if ttfb {
             let direct = results
                 .iter()
-                .find(|(t, _)| *t == "direct")
-                .map(|(_, s)| s.p50);
+                .find(|(t, _, _)| *t == "direct")
+                .map(|(_, s, _)| s.p50);
             if let Some(d) = direct {
-                for (tname, s) in &results {
+                for (tname, s, _) in &results {
                     if *tname != "direct" {
                         println!(
                             "{:<28} {:<9} added TTFB p50 {:.3} ms",
