@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, only_null, session_budget_message, Api, CountedField, ErrorShape, Observed,
-    Provider, ERROR, USAGE,
+    Provider, Reads, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -76,6 +76,12 @@ impl Provider for Anthropic {
                     .map(memchr::memmem::Finder::new)
             });
         MATTERS.iter().all(|f| f.find(raw).is_none()) && only_null(raw, &USAGE)
+    }
+    fn reads(&self) -> Reads {
+        Reads {
+            keep: &["type", "message", "usage", "error"],
+            descend: &["message"],
+        }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         let usage = match json.get("type").and_then(Value::as_str) {

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Usage, ERROR,
+    count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Reads, Usage, ERROR,
     USAGE_METADATA,
 };
 use crate::inspect::RequestView;
@@ -88,6 +88,12 @@ impl Provider for Gemini {
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         has_member(data, &USAGE_METADATA) || has_member(data, &ERROR)
+    }
+    fn reads(&self) -> Reads {
+        Reads {
+            keep: &["usageMetadata", "error"],
+            descend: &[],
+        }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if json.get("error").is_some_and(|e| !e.is_null()) {

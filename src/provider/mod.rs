@@ -184,8 +184,14 @@ pub trait Provider: Send + Sync + 'static {
         false
     }
 
-    /// Fold one parsed event (or NDJSON line, or a whole JSON body) into `acc`.
-    /// Later values replace earlier ones: repeated usage is cumulative.
+    /// The JSON members [`observe`](Self::observe) reads. Everything else in
+    /// an event or body is checked for syntax but never built into values:
+    /// generated content is most of a response's bytes.
+    fn reads(&self) -> Reads;
+
+    /// Fold one parsed event (or NDJSON line, or a whole JSON body) into `acc`,
+    /// holding only the members [`reads`](Self::reads) names. Later values
+    /// replace earlier ones: repeated usage is cumulative.
     fn observe(&self, event: Option<&str>, json: &Value, acc: &mut Observed);
 
     // ---- errors -------------------------------------------------------
@@ -193,6 +199,16 @@ pub trait Provider: Send + Sync + 'static {
     /// The body of an error tidemark itself produces, in this API's shape.
     /// `kind` is the `x-tidemark-error` value.
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
+}
+
+/// Which members of a response object a provider reads: those in `keep`
+/// are parsed whole, except those also in `descend`, which are objects
+/// filtered by the same rule (a Responses event's `response`, an Anthropic
+/// `message`). Top-level arrays are read element by element.
+#[derive(Debug, Clone, Copy)]
+pub struct Reads {
+    pub keep: &'static [&'static str],
+    pub descend: &'static [&'static str],
 }
 
 // ---- helpers the provider files share ----------------------------------

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, only_null, openai_error_body, truthy, Api, CountedField, ErrorShape,
-    Observed, Provider, Usage, ERROR, USAGE,
+    Observed, Provider, Reads, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -50,6 +50,12 @@ impl Provider for OpenAiChat {
     }
     fn sse_event_inert(&self, raw: &[u8]) -> bool {
         only_null(raw, &USAGE) && only_null(raw, &ERROR)
+    }
+    fn reads(&self) -> Reads {
+        Reads {
+            keep: &["usage", "error"],
+            descend: &[],
+        }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
         if truthy(json.get("error")) {

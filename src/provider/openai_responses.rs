@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, openai_error_body, Api, CountedField, ErrorShape, Observed, Provider, Usage,
-    ERROR, RESPONSE_CREATED, USAGE,
+    count, has_member, openai_error_body, Api, CountedField, ErrorShape, Observed, Provider, Reads,
+    Usage, ERROR, RESPONSE_CREATED, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -86,6 +86,12 @@ impl Provider for OpenAiResponses {
                     || has_member(data, &ERROR)
                     || RESPONSE_CREATED.find(data).is_some()
             }
+        }
+    }
+    fn reads(&self) -> Reads {
+        Reads {
+            keep: &["type", "object", "response", "id", "usage", "error"],
+            descend: &["response"],
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
