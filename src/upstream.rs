@@ -184,20 +184,25 @@ pub fn client(config: &Config) -> Result<Client, String> {
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1 and the classic RFC 2616 list).
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-    "proxy-authorization",
+static HOP_BY_HOP: [HeaderName; 9] = [
+    http::header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+    http::header::PROXY_AUTHENTICATE,
+    http::header::PROXY_AUTHORIZATION,
 ];
 
 /// Remove hop-by-hop headers, including every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names, no removals (each
+    // of which would hash and probe the map).
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(CONNECTION)
         .iter()
@@ -208,8 +213,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for n in named {
         headers.remove(n);
     }
-    for h in HOP_BY_HOP {
-        headers.remove(*h);
+    for h in &HOP_BY_HOP {
+        headers.remove(h);
     }
 }
 
