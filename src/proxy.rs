@@ -208,6 +208,8 @@ pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry")
 /// What the inspect phase learned about a request on a recognised API.
 struct Inspected {
     model_label: String,
+    /// This (api, model)'s metric series.
+    series: Arc<metrics::Series>,
     stream: bool,
     estimate: Estimate,
     begun: Begun,
@@ -345,15 +347,17 @@ fn build_upstream_request(
     body: UpBody,
     edited: bool,
 ) -> Option<Request<UpBody>> {
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|pq| pq.as_str())
-        .unwrap_or("/");
+    let pq = match parts.uri.path_and_query() {
+        // No prefix: the client's own (shared, already validated) bytes.
+        Some(pq) if upstream.prefix.is_empty() => pq.clone(),
+        pq => format!("{}{}", upstream.prefix, pq.map_or("/", |pq| pq.as_str()))
+            .parse()
+            .ok()?,
+    };
     let uri = http::Uri::builder()
         .scheme(upstream.scheme.clone())
         .authority(upstream.authority.clone())
-        .path_and_query(format!("{}{}", upstream.prefix, pq))
+        .path_and_query(pq)
         .build()
         .ok()?;
     let mut headers = parts.headers.clone();
@@ -484,10 +488,26 @@ fn session_key(
     if !any {
         return None;
     }
-    Some(format!("fp:{}", crate::session::hex(&h.finalize()[..8])))
+    let mut key = String::with_capacity(19);
+    key.push_str("fp:");
+    key.push_str(&crate::session::hex(&h.finalize()[..8]));
+    Some(key)
 }
 
 fn is_user_message(raw: &str) -> bool {
+    // Messages almost always open with their role: decide from the first
+    // member without parsing the rest (the message's whole content).
+    let first = raw.trim_start().strip_prefix('{').map(str::trim_start);
+    if let Some(value) = first.and_then(|r| r.strip_prefix("\"role\"")) {
+        let value = value.trim_start();
+        if let Some(v) = value.strip_prefix(':').map(str::trim_start) {
+            if let Some(role) = v.strip_prefix('"').and_then(|v| v.split_once('"')) {
+                if !role.0.contains('\\') {
+                    return role.0 == "user";
+                }
+            }
+        }
+    }
     #[derive(serde::Deserialize)]
     struct Role<'a> {
         #[serde(borrow)]
@@ -583,7 +603,8 @@ async fn api_request(
 
     let query = parts.uri.query();
     let model = p.model(path, &view);
-    let model_label = m.model_label(model.as_deref());
+    let series = m.series(api.as_str(), model.as_deref());
+    let model_label = series.model.clone();
     let stream = p.is_stream(path, query, &view);
     let estimate = state.estimator.estimate(p, &view, model.as_deref());
     let credential = credential_hash(&parts.headers, query);
@@ -643,6 +664,7 @@ async fn api_request(
     let max_output = p.max_output_tokens(&view);
     let mut ins = Inspected {
         model_label,
+        series,
         stream,
         estimate,
         begun,
@@ -655,9 +677,7 @@ async fn api_request(
         local_state,
     };
     if let Some(u) = ins.begun.projection.util() {
-        m.utilization
-            .with_label_values(&[api.as_str(), &ins.model_label])
-            .observe(u);
+        ins.series.utilization().observe(u);
     }
 
     // policy: session budget, then the context budget.
@@ -1080,13 +1100,15 @@ fn record(
 ) -> Box<dyn FnOnce(Finish) + Send> {
     let m = metrics::get();
     let a = api.as_str();
-    let ml = ins.model_label.clone();
-    let requests = m.requests.with_label_values(&[a, &ml, &status.to_string()]);
+    let requests = m
+        .requests
+        .with_label_values(&[a, &ins.model_label, &status.to_string()]);
     // The callback outlives this request's borrow of the state.
     let state = Arc::clone(state);
     Box::new(move |f: Finish| {
         requests.inc();
         let m = metrics::get();
+        let s = &ins.series;
         let read = f.read.unwrap_or_default();
         if read.parse_errors > 0 {
             m.usage_parse_errors.with_label_values(&[a]).inc();
@@ -1094,38 +1116,30 @@ fn record(
         let usage = read.observed.usage;
         let ok = (200..300).contains(&status);
         if ok && f.completed && !usage.has_context() {
-            m.usage_missing.with_label_values(&[a, &ml]).inc();
+            s.usage_missing().inc();
         }
         if let Some(real) = usage.total_context {
             let est = ins.estimate.tokens;
             let proj = ins.begun.projection.tokens;
-            m.prompt_real.with_label_values(&[a, &ml]).inc_by(real);
-            m.prompt_estimated.with_label_values(&[a, &ml]).inc_by(est);
+            s.prompt_real().inc_by(real);
+            s.prompt_estimated().inc_by(est);
             if real > 0 {
                 let r = real as f64;
                 if est > 0 {
-                    m.estimate_drift
-                        .with_label_values(&[a, &ml])
-                        .set(r / est as f64);
+                    s.estimate_drift().set(r / est as f64);
                 }
                 if proj > 0 {
-                    m.projection_drift
-                        .with_label_values(&[a, &ml])
-                        .set(r / proj as f64);
+                    s.projection_drift().set(r / proj as f64);
                 }
-                m.estimate_error
-                    .with_label_values(&[a, &ml])
-                    .observe((est as f64 - r) / r);
-                m.projection_error
-                    .with_label_values(&[a, &ml])
-                    .observe((proj as f64 - r) / r);
+                s.estimate_error().observe((est as f64 - r) / r);
+                s.projection_error().observe((proj as f64 - r) / r);
             }
         }
         if let Some(c) = usage.cached_input {
-            m.cached_prompt.with_label_values(&[a, &ml]).inc_by(c);
+            s.cached_prompt().inc_by(c);
         }
         if let Some(o) = usage.output {
-            m.output_tokens.with_label_values(&[a, &ml]).inc_by(o);
+            s.output_tokens().inc_by(o);
         }
         let completed = f.completed || usage.has_context();
         finish_session(
@@ -1230,6 +1244,22 @@ mod tests {
         h.insert(X_CONTEXT_PROJECTION, HeaderValue::from_str(v).unwrap());
         mark_local_state(&mut h);
         h[X_CONTEXT_PROJECTION].to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn user_message_from_first_member_or_parse() {
+        assert!(is_user_message(r#"{"role":"user","content":"hi"}"#));
+        assert!(is_user_message(r#"{ "role" : "user" }"#));
+        assert!(!is_user_message(
+            r#"{"role":"system","content":"\"role\":\"user\""}"#
+        ));
+        // Not first, or escaped: the full parse decides.
+        assert!(is_user_message(r#"{"content":"x","role":"user"}"#));
+        assert!(!is_user_message(
+            r#"{"content":"{\"role\":\"user\"}","role":"tool"}"#
+        ));
+        assert!(is_user_message(r#"{"role":"us\u0065r"}"#));
+        assert!(!is_user_message(r#"{"type":"function_call"}"#));
     }
 
     #[test]

@@ -162,6 +162,36 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// An RFC 8941 decimal: at most three fractional digits, trailing zeros dropped.
 pub fn decimal(v: f64) -> String {
+    // Integer arithmetic where rounding to three places is unambiguous (it
+    // runs for every response's projection header); float formatting for
+    // ties and the unusual.
+    let x = v * 1000.0;
+    if v.is_finite() && (0.0..1e15).contains(&x) && ((x - x.floor()) - 0.5).abs() > 1e-6 {
+        let m = x.round() as u64;
+        let (int, mut frac) = (m / 1000, m % 1000);
+        let mut s = int.to_string();
+        s.push('.');
+        if frac == 0 {
+            s.push('0');
+            return s;
+        }
+        let mut digits = 3;
+        while frac % 10 == 0 {
+            frac /= 10;
+            digits -= 1;
+        }
+        let f = frac.to_string();
+        for _ in f.len()..digits {
+            s.push('0');
+        }
+        s.push_str(&f);
+        return s;
+    }
+    decimal_by_format(v)
+}
+
+/// [`decimal`] by float formatting: the definition the fast path follows.
+fn decimal_by_format(v: f64) -> String {
     let s = format!("{v:.3}");
     let s = s.trim_end_matches('0');
     if s.ends_with('.') {
@@ -1258,6 +1288,20 @@ impl Sessions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decimal_matches_float_formatting() {
+        let slow = decimal_by_format;
+        for v in [
+            0.0, 0.5, 0.0625, 0.9995, 1.0, 1.25, 0.001, 0.0004, 0.85, 12.3456, 3e-9,
+        ] {
+            assert_eq!(decimal(v), slow(v), "{v}");
+        }
+        for i in 0..200_000u64 {
+            let v = i as f64 / 131_072.0 + (i % 7) as f64 * 1e-4;
+            assert_eq!(decimal(v), slow(v), "{v}");
+        }
+    }
 
     fn gauges() -> [i64; 4] {
         State::ALL.map(|st| {
