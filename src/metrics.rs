@@ -1,12 +1,12 @@
 //! Every metric tidemark exports, registered once. Label values come from small
 //! fixed sets; the one client-controlled label, `model`, is capped.
 
-use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct `model` label values kept before the rest collapse into `other`.
@@ -42,7 +42,49 @@ pub struct Metrics {
     pub state_errors: IntCounter,
     /// Kept so the registry is not empty of process info on platforms without it.
     pub up: Gauge,
-    models: Mutex<HashSet<String>>,
+    /// Model label values seen, each with its series per API.
+    models: Mutex<HashMap<String, Vec<Arc<Series>>>>,
+}
+
+/// The `api` of series looked up only for their model label.
+const OTHER_API: &str = "other";
+
+macro_rules! series {
+    ($($name:ident: $ty:ty;)*) => {
+        /// One (api, model) pair's handles into the `[api, model]` families,
+        /// each made on first use (a series appears in /metrics once it is
+        /// touched, as with `with_label_values`).
+        pub struct Series {
+            api: &'static str,
+            pub model: String,
+            $($name: OnceLock<$ty>,)*
+        }
+
+        impl Series {
+            fn new(api: &'static str, model: String) -> Self {
+                Series { api, model, $($name: OnceLock::new(),)* }
+            }
+            $(
+                pub fn $name(&self) -> &$ty {
+                    self.$name
+                        .get_or_init(|| get().$name.with_label_values(&[self.api, &self.model]))
+                }
+            )*
+        }
+    };
+}
+
+series! {
+    prompt_real: IntCounter;
+    prompt_estimated: IntCounter;
+    cached_prompt: IntCounter;
+    output_tokens: IntCounter;
+    estimate_drift: Gauge;
+    projection_drift: Gauge;
+    estimate_error: Histogram;
+    projection_error: Histogram;
+    utilization: Histogram;
+    usage_missing: IntCounter;
 }
 
 /// Buckets for latencies from 50 µs to a long stream.
@@ -245,25 +287,41 @@ impl Metrics {
             state_errors,
             up,
             registry: r,
-            models: Mutex::new(HashSet::new()),
+            models: Mutex::new(HashMap::new()),
         }
     }
 
     /// The `model` label value for a client-supplied model name: itself while
     /// fewer than [`MAX_MODEL_LABELS`] distinct values have been seen, else `other`.
     pub fn model_label(&self, model: Option<&str>) -> String {
+        self.series(OTHER_API, model).model.clone()
+    }
+
+    /// The series of one (api, model) pair, the model capped as
+    /// [`model_label`](Self::model_label) says. Made once per pair and
+    /// shared: a response touches a dozen series, and every
+    /// `with_label_values` hashes its labels under a lock.
+    pub fn series(&self, api: &'static str, model: Option<&str>) -> Arc<Series> {
         // "unknown" (no model named) takes a slot like any other value, so
         // the label never holds more than MAX_MODEL_LABELS values plus "other".
-        let m: String = model.unwrap_or("unknown").chars().take(100).collect();
-        let mut set = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        if set.contains(&m) {
-            return m;
+        let name = model.unwrap_or("unknown");
+        let name = match name.char_indices().nth(100) {
+            Some((i, _)) => &name[..i],
+            None => name,
+        };
+        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let label = if models.contains_key(name) || models.len() < MAX_MODEL_LABELS {
+            name
+        } else {
+            "other"
+        };
+        let per_api = models.entry(label.to_string()).or_default();
+        if let Some(s) = per_api.iter().find(|s| s.api == api) {
+            return Arc::clone(s);
         }
-        if set.len() < MAX_MODEL_LABELS {
-            set.insert(m.clone());
-            return m;
-        }
-        "other".to_string()
+        let s = Arc::new(Series::new(api, label.to_string()));
+        per_api.push(Arc::clone(&s));
+        s
     }
 
     /// The Prometheus text exposition of every family.
