@@ -150,6 +150,46 @@ fn main() {
         per * 1e6,
         1.0 / per
     );
+
+    // The reader alone on the same response, frame by frame and as the one
+    // burst a fast upstream delivers (the proxy bench's case).
+    let whole = [one.as_slice()];
+    for (what, frames) in [("22 frames", &frames[..]), ("one burst", &whole[..])] {
+        let mut best = Duration::MAX;
+        for _ in 0..5 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                let mut r = UsageReader::new(Api::OpenAiChat.provider(), Framing::Sse, None);
+                for f in frames {
+                    r.feed(f);
+                }
+                black_box(r.finish());
+            }
+            best = best.min(t.elapsed());
+        }
+        println!(
+            "reader per streaming response ({what}): {:.2} µs CPU",
+            best.as_secs_f64() / reps as f64 * 1e6
+        );
+    }
+
+    // A whole (non-stream) chat completion, as the proxy bench's small rows.
+    let body = include_bytes!("../tests/fixtures/openai-chat/nonstream_basic.json");
+    let mut best = Duration::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            let mut r = UsageReader::new(Api::OpenAiChat.provider(), Framing::Json, None);
+            r.feed(body);
+            black_box(r.finish());
+        }
+        best = best.min(t.elapsed());
+    }
+    println!(
+        "reader per JSON response ({} bytes): {:.2} µs CPU",
+        body.len(),
+        best.as_secs_f64() / reps as f64 * 1e6
+    );
 }
 
 fn offset(all: &[u8], part: &[u8]) -> usize {

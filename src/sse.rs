@@ -19,6 +19,9 @@ pub struct Event<'a> {
     pub data: &'a [u8],
 }
 
+/// Given a run of whole events, the offset of its first byte that may matter.
+pub type RelevantFrom = dyn Fn(&[u8]) -> usize;
+
 /// Splits a byte stream into SSE events.
 #[derive(Debug, Default)]
 pub struct SseScanner {
@@ -48,18 +51,30 @@ impl SseScanner {
 
     /// Feed the next bytes; `on_event` is called for each event completed by them.
     pub fn feed(&mut self, chunk: &[u8], on_event: &mut dyn FnMut(Event<'_>)) {
-        self.feed_skipping(chunk, &|_| false, on_event)
+        self.feed_inner(chunk, None, on_event)
     }
 
-    /// [`feed`](Self::feed), except that a whole event found in `chunk` at an
-    /// event boundary (LF line ends, ending in a blank line) for which `inert`
-    /// says its raw bytes cannot matter is stepped over unread: no line
-    /// splitting, no copy, no callback. `inert` must only say so of events
-    /// `on_event` would ignore; a provider's check errs towards "matters".
+    /// [`feed`](Self::feed), except that whole events at an event boundary
+    /// (LF line ends, each ending in a blank line) that come before the first
+    /// byte that may matter are stepped over unread: no line splitting, no
+    /// copy, no callback. `relevant_from` is given a run of whole events and
+    /// returns the offset of its first byte that may matter (its length when
+    /// none does); it must never point past a byte of an event `on_event`
+    /// would act on, and it errs early. One call covers a whole burst of
+    /// events, so the cost is a few long scans rather than a few per event.
     pub fn feed_skipping(
         &mut self,
+        chunk: &[u8],
+        relevant_from: &RelevantFrom,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) {
+        self.feed_inner(chunk, Some(relevant_from), on_event)
+    }
+
+    fn feed_inner(
+        &mut self,
         mut chunk: &[u8],
-        inert: &dyn Fn(&[u8]) -> bool,
+        relevant_from: Option<&RelevantFrom>,
         on_event: &mut dyn FnMut(Event<'_>),
     ) {
         if self.overflowed {
@@ -86,16 +101,35 @@ impl SseScanner {
                 chunk = &chunk[1..];
             }
         }
+        static BLANK_LINE: std::sync::LazyLock<memmem::FinderRev<'static>> =
+            std::sync::LazyLock::new(|| memmem::FinderRev::new(b"\n\n"));
+        // Where the next CR is (lines with one take the slow path), as an
+        // offset from the chunk's end: `chunk` only ever shrinks from the
+        // front, so it is searched again only once passed.
+        let next_cr = |c: &[u8]| memchr(b'\r', c).map_or(0, |i| c.len() - i);
+        let mut cr_from_end = relevant_from.map_or(0, |_| next_cr(chunk));
         loop {
-            while self.at_boundary() && !chunk.is_empty() {
-                let Some(end) = memmem::find(chunk, b"\n\n") else {
-                    break;
-                };
-                let event = &chunk[..end + 2];
-                if memchr(b'\r', event).is_some() || !inert(event) {
-                    break;
+            if let Some(relevant_from) = relevant_from.filter(|_| self.at_boundary()) {
+                if cr_from_end > chunk.len() {
+                    cr_from_end = next_cr(chunk);
                 }
-                chunk = &chunk[end + 2..];
+                // The run of whole events at the front: up to the last blank
+                // line before any CR.
+                let before_cr = &chunk[..chunk.len() - cr_from_end];
+                let run = match BLANK_LINE.rfind(before_cr) {
+                    Some(end) => &chunk[..end + 2],
+                    None => &[][..],
+                };
+                if !run.is_empty() {
+                    let from = relevant_from(run).min(run.len());
+                    // Skip the events that end before it.
+                    if let Some(end) = BLANK_LINE.rfind(&run[..from]) {
+                        chunk = &chunk[end + 2..];
+                    }
+                }
+            }
+            if chunk.is_empty() {
+                return;
             }
             match self.feed_lines(chunk, on_event) {
                 Some(rest) if !rest.is_empty() => chunk = rest,
@@ -295,13 +329,13 @@ mod tests {
 
     #[test]
     fn inert_events_are_stepped_over_and_the_rest_still_arrive_at_every_split() {
-        let text =
-            b"data: skip 1\n\ndata: keep 1\n\n: c\ndata: skip 2\n\nevent: e\ndata: keep 2\n\n";
-        let inert = |raw: &[u8]| memmem::find(raw, b"skip").is_some();
+        // `skip 2` has CRLF line ends: read the slow way, so handed over.
+        let text = b"data: skip 1\n\ndata: keep 1\n\n: c\ndata: skip 2\r\n\r\nevent: e\ndata: keep 2\n\ndata: skip 3\n\n";
+        let relevant = |raw: &[u8]| memmem::find(raw, b"keep").unwrap_or(raw.len());
         for i in 0..=text.len() {
             let (mut s, mut seen) = (SseScanner::new(), Vec::new());
             for part in [&text[..i], &text[i..]] {
-                s.feed_skipping(part, &inert, &mut |e| {
+                s.feed_skipping(part, &relevant, &mut |e| {
                     seen.push(String::from_utf8_lossy(e.data).into_owned())
                 });
             }
@@ -310,7 +344,7 @@ mod tests {
             assert_eq!(kept, ["keep 1", "keep 2"], "split at {i}");
             // ...and unsplit, the inert ones are never handed over.
             if i == 0 || i == text.len() {
-                assert_eq!(seen, ["keep 1", "keep 2"]);
+                assert_eq!(seen, ["keep 1", "skip 2", "keep 2"]);
             }
         }
     }

@@ -249,7 +249,7 @@ impl Sink {
         let errors = &mut self.parse_errors;
         let over = match &mut self.frame {
             Frame::Sse(sc) => {
-                sc.feed_skipping(buf, &|raw| p.sse_event_inert(raw), &mut |e: Event<'_>| {
+                sc.feed_skipping(buf, &|raw| p.sse_relevant_from(raw), &mut |e: Event<'_>| {
                     event(p, e.name, e.data, observed, errors, true)
                 });
                 sc.overflowed()

@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, only_null, session_budget_message, Api, CountedField, ErrorShape, Observed,
-    Provider, Reads, ERROR, USAGE,
+    count, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
+    Observed, Provider, Reads, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -68,19 +68,31 @@ impl Provider for Anthropic {
             None => has_member(data, &USAGE) || has_member(data, &ERROR),
         }
     }
-    fn sse_event_inert(&self, raw: &[u8]) -> bool {
+    fn sse_relevant_from(&self, raw: &[u8]) -> usize {
         // Named or not, an event that can matter says one of these.
         static MATTERS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 3]> =
             std::sync::LazyLock::new(|| {
                 [b"message_start".as_slice(), b"message_delta", b"error"]
                     .map(memchr::memmem::Finder::new)
             });
-        MATTERS.iter().all(|f| f.find(raw).is_none()) && only_null(raw, &USAGE)
+        MATTERS
+            .iter()
+            .filter_map(|f| f.find(raw))
+            .fold(first_valued(raw, &USAGE), usize::min)
     }
     fn reads(&self) -> Reads {
         Reads {
-            keep: &["type", "message", "usage", "error"],
-            descend: &["message"],
+            keep: &[
+                "type",
+                "message",
+                "usage",
+                "error",
+                "input_tokens",
+                "cache_creation_input_tokens",
+                "cache_read_input_tokens",
+                "output_tokens",
+            ],
+            descend: &["message", "usage"],
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {

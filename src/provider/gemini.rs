@@ -91,8 +91,16 @@ impl Provider for Gemini {
     }
     fn reads(&self) -> Reads {
         Reads {
-            keep: &["usageMetadata", "error"],
-            descend: &[],
+            keep: &[
+                "usageMetadata",
+                "error",
+                "promptTokenCount",
+                "candidatesTokenCount",
+                "thoughtsTokenCount",
+                "cachedContentTokenCount",
+                "toolUsePromptTokenCount",
+            ],
+            descend: &["usageMetadata"],
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {

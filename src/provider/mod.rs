@@ -176,12 +176,14 @@ pub trait Provider: Send + Sync + 'static {
     /// a response id or an error? `event` is the SSE `event:` name.
     fn may_carry_usage(&self, event: Option<&str>, data: &[u8]) -> bool;
 
-    /// Could a whole SSE event, as raw bytes (`event:`/`data:` lines and
-    /// all), be skipped unread? Only if [`may_carry_usage`](Self::may_carry_usage)
-    /// would say no for it whatever its lines hold; when unsure, `false`
-    /// (the default: every event is read).
-    fn sse_event_inert(&self, _raw: &[u8]) -> bool {
-        false
+    /// Given a run of whole SSE events as raw bytes (`event:`/`data:` lines
+    /// and all), the offset of the first byte that may matter: every event
+    /// that ends before it is skipped unread. Only events
+    /// [`may_carry_usage`](Self::may_carry_usage) would say no to, whatever
+    /// their lines hold, may lie before it; when unsure, earlier. The
+    /// default, 0, reads every event.
+    fn sse_relevant_from(&self, _raw: &[u8]) -> usize {
+        0
     }
 
     /// The JSON members [`observe`](Self::observe) reads. Everything else in
@@ -201,10 +203,11 @@ pub trait Provider: Send + Sync + 'static {
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
 }
 
-/// Which members of a response object a provider reads: those in `keep`
-/// are parsed whole, except those also in `descend`, which are objects
-/// filtered by the same rule (a Responses event's `response`, an Anthropic
-/// `message`). Top-level arrays are read element by element.
+/// Which members of a response object a provider reads, at any depth the
+/// filter reaches: those in `keep` are parsed whole, except those also in
+/// `descend`, which are filtered by the same rule (a Responses event's
+/// `response`, a `usage` object whose other counts nobody reads). Top-level
+/// arrays are read element by element.
 #[derive(Debug, Clone, Copy)]
 pub struct Reads {
     pub keep: &'static [&'static str],
@@ -271,15 +274,17 @@ fn member_value(rest: &[u8], ws: impl Fn(&u8) -> bool) -> Option<&[u8]> {
     Some(&rest[rest.iter().take_while(|b| ws(b)).count()..])
 }
 
-/// Does every occurrence of `key` in `raw` read `key: null` (whitespace
-/// allowed)? The conservative side of [`has_member`] for raw SSE bytes: a key
+/// Where the first occurrence of `key` in `raw` that does not read
+/// `key: null` (whitespace allowed) starts; `raw.len()` when every one
+/// does. The conservative side of [`has_member`] for raw SSE bytes: a key
 /// followed by anything else, a line break into another `data:` line
 /// included, counts as a value.
-pub(crate) fn only_null(raw: &[u8], key: &Key) -> bool {
+pub(crate) fn first_valued(raw: &[u8], key: &Key) -> usize {
     let ws = |b: &u8| matches!(b, b' ' | b'\t');
     let len = key.needle().len();
     key.find_iter(raw)
-        .all(|at| member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")))
+        .find(|&at| !member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")))
+        .unwrap_or(raw.len())
 }
 
 /// Whether a JSON value is set to something (not absent, null, false or "").
@@ -348,16 +353,17 @@ mod helper_tests {
     }
 
     #[test]
-    fn only_null_errs_towards_a_value() {
-        assert!(only_null(b"data: {\"usage\":null,\"x\":1}\n\n", &USAGE));
-        assert!(only_null(b"data: {\"choices\":[]}\n\n", &USAGE));
-        assert!(!only_null(b"data: {\"usage\": {\"a\":1}}\n\n", &USAGE));
-        assert!(!only_null(
-            b"data: {\"usage\":null,\"usage\":{}}\n\n",
-            &USAGE
-        ));
+    fn first_valued_errs_towards_a_value() {
+        let only_null = |raw: &[u8]| first_valued(raw, &USAGE) == raw.len();
+        assert!(only_null(b"data: {\"usage\":null,\"x\":1}\n\n"));
+        assert!(only_null(b"data: {\"choices\":[]}\n\n"));
+        assert!(!only_null(b"data: {\"usage\": {\"a\":1}}\n\n"));
+        assert!(!only_null(b"data: {\"usage\":null,\"usage\":{}}\n\n"));
         // Split over two data lines: joined it reads `"usage":\n{`.
-        assert!(!only_null(b"data: {\"usage\":\ndata: {}}\n\n", &USAGE));
-        assert!(!only_null(b"data: {\"usage\"\ndata: :{}}\n\n", &USAGE));
+        assert!(!only_null(b"data: {\"usage\":\ndata: {}}\n\n"));
+        assert!(!only_null(b"data: {\"usage\"\ndata: :{}}\n\n"));
+        // The offset is the first valued one's, across events.
+        let run = b"data: {\"usage\":null}\n\ndata: {\"usage\":{}}\n\n";
+        assert_eq!(first_valued(run, &USAGE), 29);
     }
 }

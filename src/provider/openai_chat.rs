@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, only_null, openai_error_body, truthy, Api, CountedField, ErrorShape,
+    count, first_valued, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape,
     Observed, Provider, Reads, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
@@ -48,13 +48,21 @@ impl Provider for OpenAiChat {
         // With injection every chunk carries `"usage":null`: only a real object counts.
         has_member(data, &USAGE) || has_member(data, &ERROR)
     }
-    fn sse_event_inert(&self, raw: &[u8]) -> bool {
-        only_null(raw, &USAGE) && only_null(raw, &ERROR)
+    fn sse_relevant_from(&self, raw: &[u8]) -> usize {
+        first_valued(raw, &USAGE).min(first_valued(raw, &ERROR))
     }
     fn reads(&self) -> Reads {
         Reads {
-            keep: &["usage", "error"],
-            descend: &[],
+            keep: &[
+                "usage",
+                "error",
+                "prompt_tokens",
+                "completion_tokens",
+                "prompt_tokens_details",
+                "cached_tokens",
+                "cache_write_tokens",
+            ],
+            descend: &["usage", "prompt_tokens_details"],
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {

@@ -90,8 +90,20 @@ impl Provider for OpenAiResponses {
     }
     fn reads(&self) -> Reads {
         Reads {
-            keep: &["type", "object", "response", "id", "usage", "error"],
-            descend: &["response"],
+            keep: &[
+                "type",
+                "object",
+                "response",
+                "id",
+                "usage",
+                "error",
+                "input_tokens",
+                "output_tokens",
+                "input_tokens_details",
+                "cached_tokens",
+                "cache_write_tokens",
+            ],
+            descend: &["response", "usage", "input_tokens_details"],
         }
     }
     fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
