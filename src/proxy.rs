@@ -471,16 +471,17 @@ fn session_key(
             any = true;
             continue;
         }
-        // Elements up to and including the first user message.
-        let Some(elems) = view.array(f.name) else {
+        // Elements up to and including the first user message, read no
+        // further (a long history is not scanned to its end).
+        let Some(elems) = crate::estimate::json::elements(raw.get()) else {
             h.update(raw.get().as_bytes());
             any = true;
             continue;
         };
         for e in elems {
-            h.update(e.get().as_bytes());
+            h.update(e.as_bytes());
             any = true;
-            if is_user_message(e.get()) {
+            if is_user_message(e) {
                 break;
             }
         }

@@ -9,7 +9,6 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// What one element counted to.
@@ -64,6 +63,10 @@ fn table_bytes(capacity: usize) -> usize {
 struct Shard {
     new: Table,
     old: Table,
+    /// Lookups, counted under the shard's lock (a process-wide atomic
+    /// bumped per message would bounce between cores on every request).
+    hits: u64,
+    misses: u64,
 }
 
 impl Shard {
@@ -76,8 +79,6 @@ pub struct Cache {
     shards: Box<[Mutex<Shard>]>,
     /// Budget of one shard.
     shard_budget: usize,
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
 }
 
 impl Cache {
@@ -85,8 +86,6 @@ impl Cache {
         Cache {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             shard_budget: budget_bytes / SHARDS,
-            hits: AtomicU64::new(0),
-            misses: AtomicU64::new(0),
         }
     }
 
@@ -106,14 +105,20 @@ impl Cache {
                 c
             }
         };
-        drop(s);
-        let counter = if found.is_some() {
-            &self.hits
+        if found.is_some() {
+            s.hits += 1;
         } else {
-            &self.misses
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+            s.misses += 1;
+        }
         found
+    }
+
+    /// Lookups so far: (hits, misses).
+    pub fn lookups(&self) -> (u64, u64) {
+        self.shards.iter().fold((0, 0), |(h, m), s| {
+            let s = s.lock().unwrap_or_else(|e| e.into_inner());
+            (h + s.hits, m + s.misses)
+        })
     }
 
     pub fn put(&self, key: u128, c: Counted) {

@@ -12,57 +12,89 @@ use serde_json::value::RawValue;
 /// brackets and strings. `s` must already be valid JSON (it comes from a
 /// parsed request view); `None` when it is not an array.
 pub fn split_array(s: &str) -> Option<Vec<&str>> {
+    let mut it = elements(s)?;
+    let v: Vec<&str> = it.by_ref().collect();
+    it.closed.then_some(v)
+}
+
+/// [`split_array`] one element at a time, for callers that stop early.
+pub fn elements(s: &str) -> Option<Elements<'_>> {
     let b = s.as_bytes();
-    let mut i = skip_ws(b, 0);
-    if b.get(i) != Some(&b'[') {
-        return None;
-    }
-    i += 1;
-    let mut out = Vec::new();
-    let mut depth = 0usize;
-    let mut start: Option<usize> = None;
-    let mut end = i;
-    while i < b.len() {
-        let c = b[i];
-        match c {
-            b'"' => {
-                start.get_or_insert(i);
-                i = string_end(b, i)?;
-                end = i;
-                continue;
-            }
-            b'{' | b'[' => {
-                start.get_or_insert(i);
-                depth += 1;
-            }
-            b'}' | b']' => {
-                if depth == 0 {
-                    if let Some(st) = start {
-                        out.push(&s[st..end]);
-                    }
-                    return Some(out);
-                }
-                depth -= 1;
-            }
-            b',' if depth == 0 => {
-                if let Some(st) = start.take() {
-                    out.push(&s[st..end]);
-                }
-                i += 1;
-                continue;
-            }
-            b' ' | b'\t' | b'\n' | b'\r' => {
-                i += 1;
-                continue;
-            }
-            _ => {
-                start.get_or_insert(i);
-            }
+    let i = skip_ws(b, 0);
+    (b.get(i) == Some(&b'[')).then_some(Elements {
+        s,
+        i: i + 1,
+        closed: false,
+        failed: false,
+    })
+}
+
+pub struct Elements<'a> {
+    s: &'a str,
+    i: usize,
+    /// The closing bracket was reached.
+    closed: bool,
+    failed: bool,
+}
+
+impl<'a> Iterator for Elements<'a> {
+    type Item = &'a str;
+
+    fn next(&mut self) -> Option<&'a str> {
+        if self.closed || self.failed {
+            return None;
         }
-        i += 1;
-        end = i;
+        let (s, b) = (self.s, self.s.as_bytes());
+        let mut i = self.i;
+        let mut depth = 0usize;
+        let mut start: Option<usize> = None;
+        let mut end = i;
+        while i < b.len() {
+            match b[i] {
+                b'"' => {
+                    start.get_or_insert(i);
+                    let Some(e) = string_end(b, i) else {
+                        break;
+                    };
+                    i = e;
+                    end = i;
+                    continue;
+                }
+                b'{' | b'[' => {
+                    start.get_or_insert(i);
+                    depth += 1;
+                }
+                b'}' | b']' => {
+                    if depth == 0 {
+                        self.closed = true;
+                        return start.map(|st| &s[st..end]);
+                    }
+                    depth -= 1;
+                }
+                b',' if depth == 0 => {
+                    self.i = i + 1;
+                    match start {
+                        Some(st) => return Some(&s[st..end]),
+                        None => {
+                            i += 1;
+                            continue;
+                        }
+                    }
+                }
+                b' ' | b'\t' | b'\n' | b'\r' => {
+                    i += 1;
+                    continue;
+                }
+                _ => {
+                    start.get_or_insert(i);
+                }
+            }
+            i += 1;
+            end = i;
+        }
+        self.failed = true;
+        None
     }
-    None
 }
 
 /// Index just past the closing quote of the string opening at `i`.
@@ -197,6 +229,18 @@ pub fn compact(raw: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn elements_one_at_a_time() {
+        let s = r#"[ 1, {"a":[2,"]"]} , "x,]" ]"#;
+        let mut it = elements(s).unwrap();
+        assert_eq!(it.next(), Some("1"));
+        assert_eq!(it.next(), Some(r#"{"a":[2,"]"]}"#));
+        assert_eq!(it.next(), Some(r#""x,]""#));
+        assert_eq!(it.next(), None);
+        assert!(elements(r#"{"a":1}"#).is_none());
+        assert_eq!(elements("[\"open").unwrap().next(), None);
+    }
 
     #[test]
     fn split_matches_serde() {

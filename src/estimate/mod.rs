@@ -71,6 +71,7 @@ impl Estimator {
     ) -> Estimate {
         let api = p.api();
         let enc = Encoding::for_model(api, model);
+        let images = image_class(api, model);
         let mut sum = Sum::default();
         for &(field, unit, per_element) in fields(api) {
             let Some(raw) = req.raw(field) else {
@@ -91,13 +92,13 @@ impl Estimator {
             match elements {
                 Some(els) => {
                     for el in els {
-                        sum.add(self.unit(api, enc, model, unit, el));
+                        sum.add(self.unit(api, enc, model, images, unit, el));
                         n += 1;
                     }
                 }
                 None if json::kind(raw) == b'n' => {}
                 None => {
-                    sum.add(self.unit(api, enc, model, unit, raw));
+                    sum.add(self.unit(api, enc, model, images, unit, raw));
                     n += 1;
                 }
             }
@@ -141,10 +142,11 @@ impl Estimator {
             return None;
         }
         let enc = Encoding::for_model(api, model);
+        let images = image_class(api, model);
         let els = json::split_array(req.raw(field)?.get())?;
         Some(
             els.into_iter()
-                .map(|el| u64::from(self.unit(api, enc, model, unit, el).tokens))
+                .map(|el| u64::from(self.unit(api, enc, model, images, unit, el).tokens))
                 .collect(),
         )
     }
@@ -155,9 +157,10 @@ impl Estimator {
     }
 
     pub fn stats(&self) -> Stats {
+        let (hits, misses) = self.cache.lookups();
         Stats {
-            hits: self.cache.hits.load(Ordering::Relaxed),
-            misses: self.cache.misses.load(Ordering::Relaxed),
+            hits,
+            misses,
             tokenized_bytes: self.tokenized.load(Ordering::Relaxed),
             cache_bytes: self.cache.bytes(),
             cache_entries: self.cache.entries(),
@@ -165,11 +168,15 @@ impl Estimator {
     }
 
     /// One unit's count, from the cache or counted now.
-    fn unit(&self, api: Api, enc: Encoding, model: Option<&str>, unit: Unit, raw: &str) -> Counted {
-        let image_class = match api {
-            Api::OpenAiChat | Api::OpenAiResponses => images::openai_class(model),
-            _ => 0,
-        };
+    fn unit(
+        &self,
+        api: Api,
+        enc: Encoding,
+        model: Option<&str>,
+        image_class: u64,
+        unit: Unit,
+        raw: &str,
+    ) -> Counted {
         let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
         let key = xxh3_128_with_seed(raw.as_bytes(), seed);
         if let Some(c) = self.cache.get(key) {
@@ -191,6 +198,14 @@ impl Estimator {
         };
         self.cache.put(key, c);
         c
+    }
+}
+
+/// How a model prices images, part of every cache key (its counts differ).
+fn image_class(api: Api, model: Option<&str>) -> u64 {
+    match api {
+        Api::OpenAiChat | Api::OpenAiResponses => images::openai_class(model),
+        _ => 0,
     }
 }
 
