@@ -7,7 +7,10 @@
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
 //! reaches); `tap-off`, tidemark with the hidden `--no-tap` on the two API
-//! rows, so the tap's cost is measured in the same run.
+//! rows, so the tap's cost is measured in the same run. `proxy us/req` is
+//! the proxy's own CPU time per request (its threads or nginx's worker
+//! processes, from /proc): steadier than requests/s on a shared machine.
+//! `--repeat N` takes N rounds, targets in turn, and reports medians.
 //!
 //! The upstream, tidemark and the load generator each get their own tokio
 //! runtime; nginx (Debian package, `proxy_buffering off`) runs as its own

@@ -527,6 +527,8 @@ fn warning_value(util: f64, at: f64) -> String {
 
 /// The projection headers plus `x-context-trimmed` when the request was trimmed.
 fn add_policy_headers(h: &mut HeaderMap, ins: &Inspected, warn_at: f64) {
+    // Room for the projection, warning and trimmed headers in one step.
+    h.reserve(3);
     add_projection_headers(h, &ins.begun.projection, warn_at);
     if ins.local_state {
         mark_local_state(h);
