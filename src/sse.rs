@@ -103,23 +103,21 @@ impl SseScanner {
         }
         static BLANK_LINE: std::sync::LazyLock<memmem::FinderRev<'static>> =
             std::sync::LazyLock::new(|| memmem::FinderRev::new(b"\n\n"));
-        // Where the next CR is (lines with one take the slow path), as an
-        // offset from the chunk's end: `chunk` only ever shrinks from the
-        // front, so it is searched again only once passed.
-        let next_cr = |c: &[u8]| memchr(b'\r', c).map_or(0, |i| c.len() - i);
-        let mut cr_from_end = relevant_from.map_or(0, |_| next_cr(chunk));
+        // Where the run of whole events skippable at once ends: at the last
+        // blank line before the next CR (lines with one take the slow path).
+        // Kept as an offset from the chunk's end, since `chunk` only ever
+        // shrinks from the front; searched again only once passed.
+        let run_end = |c: &[u8]| {
+            let before_cr = &c[..memchr(b'\r', c).unwrap_or(c.len())];
+            c.len() - BLANK_LINE.rfind(before_cr).map_or(0, |e| e + 2)
+        };
+        let mut run_from_end = relevant_from.map_or(0, |_| run_end(chunk));
         loop {
             if let Some(relevant_from) = relevant_from.filter(|_| self.at_boundary()) {
-                if cr_from_end > chunk.len() {
-                    cr_from_end = next_cr(chunk);
+                if run_from_end >= chunk.len() {
+                    run_from_end = run_end(chunk);
                 }
-                // The run of whole events at the front: up to the last blank
-                // line before any CR.
-                let before_cr = &chunk[..chunk.len() - cr_from_end];
-                let run = match BLANK_LINE.rfind(before_cr) {
-                    Some(end) => &chunk[..end + 2],
-                    None => &[][..],
-                };
+                let run = &chunk[..chunk.len() - run_from_end];
                 if !run.is_empty() {
                     let from = relevant_from(run).min(run.len());
                     // Skip the events that end before it.
@@ -130,6 +128,15 @@ impl SseScanner {
             }
             if chunk.is_empty() {
                 return;
+            }
+            if self.at_boundary() {
+                // The common event, one `data:` line and a blank line, is
+                // handed over in place: no line buffer, no copy.
+                if let Some((data, rest)) = single_data_line(chunk) {
+                    on_event(Event { name: None, data });
+                    chunk = rest;
+                    continue;
+                }
             }
             match self.feed_lines(chunk, on_event) {
                 Some(rest) if !rest.is_empty() => chunk = rest,
@@ -251,6 +258,20 @@ impl SseScanner {
             self.name = Vec::new();
         }
     }
+}
+
+/// `data:<value>\n\n` (LF only, `value` without a line break) at the start
+/// of `chunk`: the event's data, as [`SseScanner::line_done`] would build
+/// it, and what follows. Lines near [`MAX_EVENT_BYTES`] are left to the
+/// line path, which owns the cap.
+fn single_data_line(chunk: &[u8]) -> Option<(&[u8], &[u8])> {
+    let rest = chunk.strip_prefix(b"data:")?;
+    let end = memchr2(b'\n', b'\r', rest)?;
+    if rest[end] != b'\n' || rest.get(end + 1) != Some(&b'\n') || end >= MAX_EVENT_BYTES {
+        return None;
+    }
+    let value = &rest[..end];
+    Some((value.strip_prefix(b" ").unwrap_or(value), &rest[end + 2..]))
 }
 
 fn event_name(name: &[u8]) -> Option<&str> {
