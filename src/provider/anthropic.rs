@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 use super::{
-    count, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
+    count, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape, Node,
     Observed, Provider, Reads, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
@@ -92,11 +92,10 @@ impl Provider for Anthropic {
                 "cache_read_input_tokens",
                 "output_tokens",
             ],
-            descend: &["message", "usage"],
         }
     }
-    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
-        let usage = match json.get("type").and_then(Value::as_str) {
+    fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
+        let usage = match json.get("type").and_then(Node::as_str) {
             Some("message_start") => json.get("message").and_then(|m| m.get("usage")),
             Some("message_delta") | Some("message") => json.get("usage"),
             Some("error") => {

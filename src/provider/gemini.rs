@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, Api, CountedField, ErrorShape, Observed, Provider, Reads, Usage, ERROR,
-    USAGE_METADATA,
+    count, has_member, Api, CountedField, ErrorShape, Node, Observed, Provider, Reads, Usage,
+    ERROR, USAGE_METADATA,
 };
 use crate::inspect::RequestView;
 
@@ -100,10 +100,9 @@ impl Provider for Gemini {
                 "cachedContentTokenCount",
                 "toolUsePromptTokenCount",
             ],
-            descend: &["usageMetadata"],
         }
     }
-    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+    fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         if json.get("error").is_some_and(|e| !e.is_null()) {
             acc.stream_error = true;
         }

@@ -194,7 +194,7 @@ pub trait Provider: Send + Sync + 'static {
     /// Fold one parsed event (or NDJSON line, or a whole JSON body) into `acc`,
     /// holding only the members [`reads`](Self::reads) names. Later values
     /// replace earlier ones: repeated usage is cumulative.
-    fn observe(&self, event: Option<&str>, json: &Value, acc: &mut Observed);
+    fn observe(&self, event: Option<&str>, json: &Node, acc: &mut Observed);
 
     // ---- errors -------------------------------------------------------
 
@@ -203,22 +203,86 @@ pub trait Provider: Send + Sync + 'static {
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
 }
 
-/// Which members of a response object a provider reads, at any depth the
-/// filter reaches: those in `keep` are parsed whole, except those also in
-/// `descend`, which are filtered by the same rule (a Responses event's
-/// `response`, a `usage` object whose other counts nobody reads). Top-level
-/// arrays are read element by element.
+/// Which members of a response a provider reads, at any depth: the tap
+/// builds only these (objects among them filtered by the same list), and
+/// steps over everything else checking its syntax only. Top-level arrays
+/// are read element by element.
 #[derive(Debug, Clone, Copy)]
 pub struct Reads {
     pub keep: &'static [&'static str],
-    pub descend: &'static [&'static str],
+}
+
+/// A JSON value as the tap parsed it for a provider: objects hold only the
+/// members its [`Reads`] names, under those `'static` names, so nothing
+/// but kept strings is allocated. Mirrors the parts of `serde_json::Value`'s
+/// API the providers use.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Node {
+    Null,
+    Bool(bool),
+    /// A non-negative integer: every token count.
+    Count(u64),
+    /// Any other number.
+    Number,
+    Str(String),
+    Obj(Vec<(&'static str, Node)>),
+    Arr(Vec<Node>),
+}
+
+impl Node {
+    /// A member of an object; the last one when repeated, as serde_json does.
+    pub fn get(&self, key: &str) -> Option<&Node> {
+        match self {
+            Node::Obj(m) => m.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Node::Count(n) => Some(*n),
+            _ => None,
+        }
+    }
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Node::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Node::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+    pub fn is_object(&self) -> bool {
+        matches!(self, Node::Obj(_))
+    }
+    pub fn is_null(&self) -> bool {
+        matches!(self, Node::Null)
+    }
 }
 
 // ---- helpers the provider files share ----------------------------------
 
 /// A token count member; `None` when absent or not a non-negative integer.
-pub(crate) fn count(v: &Value, key: &str) -> Option<u64> {
-    v.get(key)?.as_u64()
+pub(crate) fn count<V: Members>(v: &V, key: &str) -> Option<u64> {
+    v.member_u64(key)
+}
+
+/// Objects [`count`] reads: a request's `Value`s and a response's [`Node`]s.
+pub(crate) trait Members {
+    fn member_u64(&self, key: &str) -> Option<u64>;
+}
+impl Members for Value {
+    fn member_u64(&self, key: &str) -> Option<u64> {
+        self.get(key)?.as_u64()
+    }
+}
+impl Members for Node {
+    fn member_u64(&self, key: &str) -> Option<u64> {
+        self.get(key)?.as_u64()
+    }
 }
 
 /// A byte pattern looked for in every event: its searcher is built once.
@@ -288,10 +352,10 @@ pub(crate) fn first_valued(raw: &[u8], key: &Key) -> usize {
 }
 
 /// Whether a JSON value is set to something (not absent, null, false or "").
-pub(crate) fn truthy(v: Option<&Value>) -> bool {
+pub(crate) fn truthy(v: Option<&Node>) -> bool {
     match v {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
-        Some(Value::String(s)) => !s.is_empty(),
+        None | Some(Node::Null) | Some(Node::Bool(false)) => false,
+        Some(Node::Str(s)) => !s.is_empty(),
         Some(_) => true,
     }
 }

@@ -3,8 +3,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, truthy, Api, CountedField, ErrorShape, Observed, Provider, Reads, Usage,
-    ERROR, EVAL_COUNT,
+    count, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Provider, Reads,
+    Usage, ERROR, EVAL_COUNT,
 };
 use crate::inspect::RequestView;
 
@@ -47,14 +47,13 @@ impl Provider for Ollama {
     fn reads(&self) -> Reads {
         Reads {
             keep: &["error", "done", "prompt_eval_count", "eval_count"],
-            descend: &[],
         }
     }
-    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+    fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         if truthy(json.get("error")) {
             acc.stream_error = true;
         }
-        if json.get("done").and_then(Value::as_bool) != Some(true) {
+        if json.get("done").and_then(Node::as_bool) != Some(true) {
             return;
         }
         // prompt_eval_count is omitempty: absent is unknown, not 0.

@@ -1,11 +1,9 @@
 //! OpenAI chat completions (`/chat/completions`), and every server that speaks
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
-use serde_json::Value;
-
 use super::{
     count, first_valued, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape,
-    Observed, Provider, Reads, Usage, ERROR, USAGE,
+    Node, Observed, Provider, Reads, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -62,10 +60,9 @@ impl Provider for OpenAiChat {
                 "cached_tokens",
                 "cache_write_tokens",
             ],
-            descend: &["usage", "prompt_tokens_details"],
         }
     }
-    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
+    fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         if truthy(json.get("error")) {
             acc.stream_error = true;
         }
@@ -79,7 +76,7 @@ impl Provider for OpenAiChat {
 }
 
 /// `CompletionUsage`: `prompt_tokens` already includes the cached part.
-fn usage(u: &Value) -> Usage {
+fn usage(u: &Node) -> Usage {
     let details = u.get("prompt_tokens_details");
     let input = count(u, "prompt_tokens");
     Usage {
@@ -98,6 +95,7 @@ fn usage(u: &Value) -> Usage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     #[test]
     fn error_shapes() {

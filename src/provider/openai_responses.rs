@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, openai_error_body, Api, CountedField, ErrorShape, Observed, Provider, Reads,
-    Usage, ERROR, RESPONSE_CREATED, USAGE,
+    count, has_member, openai_error_body, Api, CountedField, ErrorShape, Node, Observed, Provider,
+    Reads, Usage, ERROR, RESPONSE_CREATED, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -103,14 +103,13 @@ impl Provider for OpenAiResponses {
                 "cached_tokens",
                 "cache_write_tokens",
             ],
-            descend: &["response", "usage", "input_tokens_details"],
         }
     }
-    fn observe(&self, _event: Option<&str>, json: &Value, acc: &mut Observed) {
-        let typ = json.get("type").and_then(Value::as_str).unwrap_or("");
+    fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
+        let typ = json.get("type").and_then(Node::as_str).unwrap_or("");
         let response = if RESPONSE_EVENTS.contains(&typ) {
             json.get("response")
-        } else if json.get("object").and_then(Value::as_str) == Some("response") {
+        } else if json.get("object").and_then(Node::as_str) == Some("response") {
             Some(json) // a non-stream body is the Response itself
         } else {
             None
@@ -121,7 +120,7 @@ impl Provider for OpenAiResponses {
         let Some(r) = response else {
             return;
         };
-        if let Some(id) = r.get("id").and_then(Value::as_str) {
+        if let Some(id) = r.get("id").and_then(Node::as_str) {
             acc.response_id = Some(id.to_string());
         }
         if let Some(u) = r.get("usage").filter(|u| u.is_object()) {
