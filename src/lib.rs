@@ -32,8 +32,9 @@
 //!    its connection, so bytes that arrived together leave together.
 //! 8. **Tap** (`tap.rs`): the response body is wrapped, never buffered: every
 //!    frame goes to the client as it arrives while `usage.rs` decompresses a
-//!    copy's view, frames it (`sse.rs`, NDJSON, JSON) and lets the provider
-//!    read usage from the few events that can carry it.
+//!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
+//!    that cannot carry usage, and builds for the provider only the members
+//!    it reads (`Provider::reads`).
 //! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
 //!    hang-up, the session is anchored (or the loss is made loud) and the drift
 //!    is exported (`metrics.rs`, every metric name in one file).

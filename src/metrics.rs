@@ -46,9 +46,6 @@ pub struct Metrics {
     models: Mutex<HashMap<String, Vec<Arc<Series>>>>,
 }
 
-/// The `api` of series looked up only for their model label.
-const OTHER_API: &str = "other";
-
 macro_rules! series {
     ($($name:ident: $ty:ty;)*) => {
         /// One (api, model) pair's handles into the `[api, model]` families,
@@ -294,7 +291,8 @@ impl Metrics {
     /// The `model` label value for a client-supplied model name: itself while
     /// fewer than [`MAX_MODEL_LABELS`] distinct values have been seen, else `other`.
     pub fn model_label(&self, model: Option<&str>) -> String {
-        self.series(OTHER_API, model).model.clone()
+        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        slot(&mut models, model).0
     }
 
     /// The series of one (api, model) pair, the model capped as
@@ -302,24 +300,12 @@ impl Metrics {
     /// shared: a response touches a dozen series, and every
     /// `with_label_values` hashes its labels under a lock.
     pub fn series(&self, api: &'static str, model: Option<&str>) -> Arc<Series> {
-        // "unknown" (no model named) takes a slot like any other value, so
-        // the label never holds more than MAX_MODEL_LABELS values plus "other".
-        let name = model.unwrap_or("unknown");
-        let name = match name.char_indices().nth(100) {
-            Some((i, _)) => &name[..i],
-            None => name,
-        };
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        let label = if models.contains_key(name) || models.len() < MAX_MODEL_LABELS {
-            name
-        } else {
-            "other"
-        };
-        let per_api = models.entry(label.to_string()).or_default();
+        let (label, per_api) = slot(&mut models, model);
         if let Some(s) = per_api.iter().find(|s| s.api == api) {
             return Arc::clone(s);
         }
-        let s = Arc::new(Series::new(api, label.to_string()));
+        let s = Arc::new(Series::new(api, label));
         per_api.push(Arc::clone(&s));
         s
     }
@@ -330,6 +316,29 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
     }
+}
+
+/// The label a client-supplied model name gets, and that label's series.
+/// "unknown" (no model named) takes a slot like any other value, so the
+/// label never holds more than MAX_MODEL_LABELS values plus "other".
+fn slot<'m>(
+    models: &'m mut HashMap<String, Vec<Arc<Series>>>,
+    model: Option<&str>,
+) -> (String, &'m mut Vec<Arc<Series>>) {
+    let name = model.unwrap_or("unknown");
+    let name = match name.char_indices().nth(100) {
+        Some((i, _)) => &name[..i],
+        None => name,
+    };
+    let label = if models.contains_key(name) || models.len() < MAX_MODEL_LABELS {
+        name
+    } else {
+        "other"
+    };
+    (
+        label.to_string(),
+        models.entry(label.to_string()).or_default(),
+    )
 }
 
 /// The process-wide metrics.

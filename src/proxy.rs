@@ -207,8 +207,7 @@ pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry")
 
 /// What the inspect phase learned about a request on a recognised API.
 struct Inspected {
-    model_label: String,
-    /// This (api, model)'s metric series.
+    /// This (api, model)'s metric series; `series.model` is the model label.
     series: Arc<metrics::Series>,
     stream: bool,
     estimate: Estimate,
@@ -607,7 +606,6 @@ async fn api_request(
     let query = parts.uri.query();
     let model = p.model(path, &view);
     let series = m.series(api.as_str(), model.as_deref());
-    let model_label = series.model.clone();
     let stream = p.is_stream(path, query, &view);
     let estimate = state.estimator.estimate(p, &view, model.as_deref());
     let credential = credential_hash(&parts.headers, query);
@@ -666,7 +664,6 @@ async fn api_request(
     }
     let max_output = p.max_output_tokens(&view);
     let mut ins = Inspected {
-        model_label,
         series,
         stream,
         estimate,
@@ -704,7 +701,7 @@ async fn api_request(
         if projected as f64 > limit {
             let over_budget = |action: OnOver| {
                 m.over_budget
-                    .with_label_values(&[api.as_str(), &ins.model_label, action.as_str()])
+                    .with_label_values(&[api.as_str(), &ins.series.model, action.as_str()])
                     .inc()
             };
             let over = ProxyError::ContextBudget {
@@ -747,7 +744,7 @@ async fn api_request(
                         remember_cut(state, k, t.cut.clone());
                     }
                     m.trimmed_tokens
-                        .with_label_values(&[api.as_str(), &ins.model_label])
+                        .with_label_values(&[api.as_str(), &ins.series.model])
                         .inc_by(projected.saturating_sub(after));
                     ins.trimmed = Some(format!(
                         "before={projected}, after={after}, turns={}, tool-results={}",
@@ -1047,7 +1044,7 @@ fn reject(
     let code = resp.status().as_u16();
     let m = metrics::get();
     m.requests
-        .with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()])
+        .with_label_values(&[p.api().as_str(), &ins.series.model, &code.to_string()])
         .inc();
     let Inspected { begun, shared, .. } = ins;
     finish_session(
@@ -1076,7 +1073,7 @@ fn respond_buffered(
     let code = resp.status().as_u16();
     metrics::get()
         .requests
-        .with_label_values(&[p.api().as_str(), &ins.model_label, &code.to_string()])
+        .with_label_values(&[p.api().as_str(), &ins.series.model, &code.to_string()])
         .inc();
     let Inspected { begun, shared, .. } = ins;
     finish_session(
@@ -1105,7 +1102,7 @@ fn record(
     let a = api.as_str();
     let requests = m
         .requests
-        .with_label_values(&[a, &ins.model_label, &status.to_string()]);
+        .with_label_values(&[a, &ins.series.model, &status.to_string()]);
     // The callback outlives this request's borrow of the state.
     let state = Arc::clone(state);
     Box::new(move |f: Finish| {

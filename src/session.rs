@@ -162,37 +162,27 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// An RFC 8941 decimal: at most three fractional digits, trailing zeros dropped.
 pub fn decimal(v: f64) -> String {
-    // Integer arithmetic where rounding to three places is unambiguous (it
+    // Integer formatting where rounding to three places is unambiguous (it
     // runs for every response's projection header); float formatting for
     // ties and the unusual.
     let x = v * 1000.0;
-    if v.is_finite() && (0.0..1e15).contains(&x) && ((x - x.floor()) - 0.5).abs() > 1e-6 {
+    let s = if v.is_finite() && (0.0..1e15).contains(&x) && (x.fract() - 0.5).abs() > 1e-6 {
         let m = x.round() as u64;
-        let (int, mut frac) = (m / 1000, m % 1000);
-        let mut s = int.to_string();
-        s.push('.');
-        if frac == 0 {
-            s.push('0');
-            return s;
-        }
-        let mut digits = 3;
-        while frac % 10 == 0 {
-            frac /= 10;
-            digits -= 1;
-        }
-        let f = frac.to_string();
-        for _ in f.len()..digits {
-            s.push('0');
-        }
-        s.push_str(&f);
-        return s;
-    }
-    decimal_by_format(v)
+        format!("{}.{:03}", m / 1000, m % 1000)
+    } else {
+        format!("{v:.3}")
+    };
+    trim_decimal(&s)
 }
 
-/// [`decimal`] by float formatting: the definition the fast path follows.
+/// [`decimal`] by float formatting alone: the definition the fast path follows.
+#[cfg(test)]
 fn decimal_by_format(v: f64) -> String {
-    let s = format!("{v:.3}");
+    trim_decimal(&format!("{v:.3}"))
+}
+
+/// Trailing zeros dropped, one kept after the point.
+fn trim_decimal(s: &str) -> String {
     let s = s.trim_end_matches('0');
     if s.ends_with('.') {
         format!("{s}0")

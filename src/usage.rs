@@ -4,7 +4,7 @@
 
 use std::io::Write;
 
-use crate::provider::{Framing, Node, Observed, Provider, Reads};
+use crate::provider::{Framing, Node, Observed, Provider};
 use crate::sse::{Event, SseScanner, MAX_EVENT_BYTES};
 
 /// Largest non-stream body copied for parsing at the end.
@@ -378,7 +378,7 @@ fn parse_read(p: &dyn Provider, bytes: &[u8]) -> serde_json::Result<Node> {
 }
 
 #[derive(Clone, Copy)]
-struct Filter(Reads);
+struct Filter(&'static [&'static str]);
 
 impl<'de> serde::de::DeserializeSeed<'de> for Filter {
     type Value = Node;
@@ -395,7 +395,7 @@ impl<'de> serde::de::Visitor<'de> for Filter {
     }
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Node, A::Error> {
         let mut m = Vec::new();
-        while let Some(key) = map.next_key_seed(KeyIn(self.0.keep))? {
+        while let Some(key) = map.next_key_seed(KeyIn(self.0))? {
             match key {
                 None => {
                     map.next_value::<serde::de::IgnoredAny>()?;
@@ -449,5 +449,36 @@ impl<'de> serde::de::Visitor<'de> for KeyIn {
     }
     fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
         Ok(self.0.iter().copied().find(|k| *k == s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::Api;
+
+    #[test]
+    fn only_the_members_a_provider_reads_are_built() {
+        let body = include_bytes!("../tests/fixtures/openai-chat/nonstream_basic.json");
+        let node = parse_read(Api::OpenAiChat.provider(), body).unwrap();
+        // No id, model, choices or completion_tokens_details: only usage
+        // and the counts chat's observe reads.
+        assert_eq!(
+            node,
+            Node::Obj(vec![(
+                "usage",
+                Node::Obj(vec![
+                    ("prompt_tokens", Node::Count(2048)),
+                    ("completion_tokens", Node::Count(584)),
+                    (
+                        "prompt_tokens_details",
+                        Node::Obj(vec![("cached_tokens", Node::Count(1920))])
+                    ),
+                ])
+            )])
+        );
+        // Skipped members are still checked: a syntax error anywhere fails.
+        let broken = br#"{"choices":[{"x":}],"usage":{"prompt_tokens":1}}"#;
+        assert!(parse_read(Api::OpenAiChat.provider(), broken).is_err());
     }
 }

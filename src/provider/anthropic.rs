@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape, Node,
-    Observed, Provider, Reads, ERROR, USAGE,
+    Observed, Provider, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -80,19 +80,17 @@ impl Provider for Anthropic {
             .filter_map(|f| f.find(raw))
             .fold(first_valued(raw, &USAGE), usize::min)
     }
-    fn reads(&self) -> Reads {
-        Reads {
-            keep: &[
-                "type",
-                "message",
-                "usage",
-                "error",
-                "input_tokens",
-                "cache_creation_input_tokens",
-                "cache_read_input_tokens",
-                "output_tokens",
-            ],
-        }
+    fn reads(&self) -> &'static [&'static str] {
+        &[
+            "type",
+            "message",
+            "usage",
+            "error",
+            "input_tokens",
+            "cache_creation_input_tokens",
+            "cache_read_input_tokens",
+            "output_tokens",
+        ]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         let usage = match json.get("type").and_then(Node::as_str) {

@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, Api, CountedField, ErrorShape, Node, Observed, Provider, Reads, Usage,
-    ERROR, USAGE_METADATA,
+    count, has_member, Api, CountedField, ErrorShape, Node, Observed, Provider, Usage, ERROR,
+    USAGE_METADATA,
 };
 use crate::inspect::RequestView;
 
@@ -89,18 +89,16 @@ impl Provider for Gemini {
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         has_member(data, &USAGE_METADATA) || has_member(data, &ERROR)
     }
-    fn reads(&self) -> Reads {
-        Reads {
-            keep: &[
-                "usageMetadata",
-                "error",
-                "promptTokenCount",
-                "candidatesTokenCount",
-                "thoughtsTokenCount",
-                "cachedContentTokenCount",
-                "toolUsePromptTokenCount",
-            ],
-        }
+    fn reads(&self) -> &'static [&'static str] {
+        &[
+            "usageMetadata",
+            "error",
+            "promptTokenCount",
+            "candidatesTokenCount",
+            "thoughtsTokenCount",
+            "cachedContentTokenCount",
+            "toolUsePromptTokenCount",
+        ]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         if json.get("error").is_some_and(|e| !e.is_null()) {

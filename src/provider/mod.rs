@@ -186,10 +186,12 @@ pub trait Provider: Send + Sync + 'static {
         0
     }
 
-    /// The JSON members [`observe`](Self::observe) reads. Everything else in
-    /// an event or body is checked for syntax but never built into values:
-    /// generated content is most of a response's bytes.
-    fn reads(&self) -> Reads;
+    /// The JSON members [`observe`](Self::observe) reads, at any depth: the
+    /// tap builds only these (objects among them filtered by the same list)
+    /// and steps over everything else checking its syntax only; generated
+    /// content is most of a response's bytes. Top-level arrays are read
+    /// element by element.
+    fn reads(&self) -> &'static [&'static str];
 
     /// Fold one parsed event (or NDJSON line, or a whole JSON body) into `acc`,
     /// holding only the members [`reads`](Self::reads) names. Later values
@@ -203,17 +205,8 @@ pub trait Provider: Send + Sync + 'static {
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
 }
 
-/// Which members of a response a provider reads, at any depth: the tap
-/// builds only these (objects among them filtered by the same list), and
-/// steps over everything else checking its syntax only. Top-level arrays
-/// are read element by element.
-#[derive(Debug, Clone, Copy)]
-pub struct Reads {
-    pub keep: &'static [&'static str],
-}
-
 /// A JSON value as the tap parsed it for a provider: objects hold only the
-/// members its [`Reads`] names, under those `'static` names, so nothing
+/// members its [`reads`](Provider::reads) names, under those `'static` names, so nothing
 /// but kept strings is allocated. Mirrors the parts of `serde_json::Value`'s
 /// API the providers use.
 #[derive(Debug, Clone, PartialEq)]

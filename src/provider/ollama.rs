@@ -3,8 +3,8 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Provider, Reads,
-    Usage, ERROR, EVAL_COUNT,
+    count, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Provider, Usage,
+    ERROR, EVAL_COUNT,
 };
 use crate::inspect::RequestView;
 
@@ -44,10 +44,8 @@ impl Provider for Ollama {
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         EVAL_COUNT.find(data).is_some() || has_member(data, &ERROR)
     }
-    fn reads(&self) -> Reads {
-        Reads {
-            keep: &["error", "done", "prompt_eval_count", "eval_count"],
-        }
+    fn reads(&self) -> &'static [&'static str] {
+        &["error", "done", "prompt_eval_count", "eval_count"]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         if truthy(json.get("error")) {

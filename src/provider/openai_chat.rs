@@ -3,7 +3,7 @@
 
 use super::{
     count, first_valued, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape,
-    Node, Observed, Provider, Reads, Usage, ERROR, USAGE,
+    Node, Observed, Provider, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -49,18 +49,16 @@ impl Provider for OpenAiChat {
     fn sse_relevant_from(&self, raw: &[u8]) -> usize {
         first_valued(raw, &USAGE).min(first_valued(raw, &ERROR))
     }
-    fn reads(&self) -> Reads {
-        Reads {
-            keep: &[
-                "usage",
-                "error",
-                "prompt_tokens",
-                "completion_tokens",
-                "prompt_tokens_details",
-                "cached_tokens",
-                "cache_write_tokens",
-            ],
-        }
+    fn reads(&self) -> &'static [&'static str] {
+        &[
+            "usage",
+            "error",
+            "prompt_tokens",
+            "completion_tokens",
+            "prompt_tokens_details",
+            "cached_tokens",
+            "cache_write_tokens",
+        ]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         if truthy(json.get("error")) {

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::{
     count, has_member, openai_error_body, Api, CountedField, ErrorShape, Node, Observed, Provider,
-    Reads, Usage, ERROR, RESPONSE_CREATED, USAGE,
+    Usage, ERROR, RESPONSE_CREATED, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -88,22 +88,20 @@ impl Provider for OpenAiResponses {
             }
         }
     }
-    fn reads(&self) -> Reads {
-        Reads {
-            keep: &[
-                "type",
-                "object",
-                "response",
-                "id",
-                "usage",
-                "error",
-                "input_tokens",
-                "output_tokens",
-                "input_tokens_details",
-                "cached_tokens",
-                "cache_write_tokens",
-            ],
-        }
+    fn reads(&self) -> &'static [&'static str] {
+        &[
+            "type",
+            "object",
+            "response",
+            "id",
+            "usage",
+            "error",
+            "input_tokens",
+            "output_tokens",
+            "input_tokens_details",
+            "cached_tokens",
+            "cache_write_tokens",
+        ]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         let typ = json.get("type").and_then(Node::as_str).unwrap_or("");
