@@ -16,6 +16,10 @@
 //! runtime; nginx (Debian package, `proxy_buffering off`) runs as its own
 //! process when `nginx` is on PATH, and is skipped with a note otherwise.
 
+/// The allocator the binary ships with (src/main.rs).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

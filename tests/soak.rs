@@ -18,6 +18,11 @@
 mod faulty;
 mod support;
 
+/// The allocator the binary ships with (src/main.rs), so the RSS bounds hold
+/// for it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
