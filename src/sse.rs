@@ -109,6 +109,10 @@ impl SseScanner {
         // shrinks from the front; searched again only once passed.
         let run_end = |c: &[u8]| {
             let before_cr = &c[..memchr(b'\r', c).unwrap_or(c.len())];
+            if before_cr.len() == c.len() && c.ends_with(b"\n\n") {
+                // The common frame: whole LF events, nothing after them.
+                return 0;
+            }
             c.len() - BLANK_LINE.rfind(before_cr).map_or(0, |e| e + 2)
         };
         let mut run_from_end = relevant_from.map_or(0, |_| run_end(chunk));
@@ -120,8 +124,11 @@ impl SseScanner {
                 let run = &chunk[..chunk.len() - run_from_end];
                 if !run.is_empty() {
                     let from = relevant_from(run).min(run.len());
-                    // Skip the events that end before it.
-                    if let Some(end) = BLANK_LINE.rfind(&run[..from]) {
+                    // Skip the events that end before it (all of the run,
+                    // which ends at a blank line, when nothing is relevant).
+                    if from == run.len() {
+                        chunk = &chunk[run.len()..];
+                    } else if let Some(end) = BLANK_LINE.rfind(&run[..from]) {
                         chunk = &chunk[end + 2..];
                     }
                 }
