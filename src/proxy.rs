@@ -4,7 +4,10 @@
 
 use std::convert::Infallible;
 use std::io::Read;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -604,9 +607,30 @@ async fn api_request(
     };
 
     let query = parts.uri.query();
+    let stream = p.is_stream(path, query, &view);
+
+    // forward first: when nothing below can stop or change the request
+    // (no --on-over reject or trim, no --session-budget, no
+    // --exact-cold-start), it goes upstream now and the estimate and the
+    // session are worked out while the upstream thinks, off the time to
+    // first byte. The first poll puts it on the wire (a pooled connection)
+    // or starts the connect.
+    let forward_first =
+        cfg.on_over == OnOver::Pass && cfg.session_budget.is_none() && !cfg.exact_cold_start;
+    let mut early = None;
+    if forward_first {
+        let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
+        let injected = edited.is_some();
+        if let Some(up) = outgoing(&parts, upstream, &body, edited.as_ref(), injected) {
+            counted_sent(api, start, injected);
+            let mut sending = Box::pin(send(state, up));
+            let first = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await;
+            early = Some((sending, first, edited, injected));
+        }
+    }
+
     let model = p.model(path, &view);
     let series = m.series(api.as_str(), model.as_deref());
-    let stream = p.is_stream(path, query, &view);
     let estimate = state.estimator.estimate(p, &view, model.as_deref());
     let credential = credential_hash(&parts.headers, query);
     let key = session_key(cfg, &parts.headers, p, &view, &credential);
@@ -623,7 +647,14 @@ async fn api_request(
     let (mut shared, mut local_state, mut fetched) = (None, false, None);
     if let (Some(redis), Some(k)) = (&state.redis, &key) {
         let sid = shared_session_id(&credential, k);
-        match redis.begin(&sid, model.as_deref()).await {
+        let begin = redis.begin(&sid, model.as_deref());
+        let begun = match early.as_mut() {
+            // A request already sent is driven meanwhile (its connect, the
+            // rest of a long body), or it would wait for this lookup.
+            Some((sending, first, _, _)) => alongside(begin, sending, first).await,
+            None => begin.await,
+        };
+        match begun {
             Ok(b) => {
                 fetched = Some(Shared {
                     seq: b.seq,
@@ -758,51 +789,37 @@ async fn api_request(
         }
     }
 
-    // usage injection: OpenAI chat streams get include_usage unless the
-    // client asked or the upstream refused.
-    if api == Api::OpenAiChat
-        && stream
-        && cfg.inject_usage
-        && (encoding.is_none() || ins.edited.is_some())
-        && !state
-            .no_stream_options
-            .contains(upstream.authority.as_str())
-    {
-        // Untrimmed, the body is the one already viewed (no encoding): no
-        // second parse of a long history. A trimmed body is new and is parsed.
-        let injected = match ins.edited.as_deref() {
-            None => crate::inject::inject_include_usage(&body, &view),
-            Some(t) => {
-                RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v))
+    let mut result = match early {
+        Some((sending, first, edited, injected)) => {
+            ins.edited = edited;
+            ins.injected = injected;
+            match first {
+                Poll::Ready(r) => r,
+                Poll::Pending => sending.await,
             }
-        };
-        if let Some(b) = injected {
-            ins.edited = Some(Bytes::from(b));
-            ins.injected = true;
         }
-    }
-
-    // upstream
-    let edited_now = ins.edited.is_some();
-    let send_body = ins.edited.clone().unwrap_or_else(|| body.clone());
-    let Some(mut up) = build_upstream_request(&parts, upstream, full(send_body), edited_now) else {
-        return reject(state, p, ins, &ProxyError::ClientBody);
+        None => {
+            if let Some(b) = usage_injection(
+                state,
+                api,
+                stream,
+                encoding,
+                upstream,
+                &body,
+                &view,
+                ins.edited.as_ref(),
+            ) {
+                ins.edited = Some(b);
+                ins.injected = true;
+            }
+            let Some(up) = outgoing(&parts, upstream, &body, ins.edited.as_ref(), ins.injected)
+            else {
+                return reject(state, p, ins, &ProxyError::ClientBody);
+            };
+            counted_sent(api, start, ins.injected);
+            send(state, up).await
+        }
     };
-    if ins.injected {
-        // The stripper must see the stream as sent to take the option's
-        // additions back out; a compressed stream could not be edited.
-        up.headers_mut().insert(
-            http::header::ACCEPT_ENCODING,
-            HeaderValue::from_static("identity"),
-        );
-    }
-    m.proxy_overhead
-        .with_label_values(&[api.as_str()])
-        .observe(start.elapsed().as_secs_f64());
-    if ins.injected {
-        m.usage_injected.with_label_values(&[api.as_str()]).inc();
-    }
-    let mut result = send(state, up).await;
 
     // An upstream that refuses stream_options gets the request again without it, once.
     if ins.injected {
@@ -881,6 +898,88 @@ async fn api_request(
         cfg.idle_timeout,
     );
     Response::from_parts(rparts, body)
+}
+
+/// Await `f` while also driving `sending`, keeping its result in `done`
+/// once it has one (and not polling it after).
+async fn alongside<T, S: Future + Unpin>(
+    f: impl Future<Output = T>,
+    sending: &mut S,
+    done: &mut Poll<S::Output>,
+) -> T {
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(|cx| {
+        if done.is_pending() {
+            *done = Pin::new(&mut *sending).poll(cx);
+        }
+        f.as_mut().poll(cx)
+    })
+    .await
+}
+
+/// Usage injection: an OpenAI chat stream gets `include_usage` unless the
+/// client asked, the body is compressed, or the upstream refused. Returns
+/// the edited body; `edited` is a body already changed (a trim), which is
+/// new and parsed again. Untrimmed, the body is the one already viewed: no
+/// second parse of a long history.
+#[allow(clippy::too_many_arguments)]
+fn usage_injection(
+    state: &State,
+    api: Api,
+    stream: bool,
+    encoding: Option<&str>,
+    upstream: &Upstream,
+    body: &Bytes,
+    view: &RequestView<'_>,
+    edited: Option<&Bytes>,
+) -> Option<Bytes> {
+    let wanted = api == Api::OpenAiChat
+        && stream
+        && state.config.inject_usage
+        && (encoding.is_none() || edited.is_some())
+        && !state
+            .no_stream_options
+            .contains(upstream.authority.as_str());
+    if !wanted {
+        return None;
+    }
+    match edited {
+        None => crate::inject::inject_include_usage(body, view),
+        Some(t) => RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v)),
+    }
+    .map(Bytes::from)
+}
+
+/// The upstream request: the client's, or its edited body; an injected
+/// stream is asked for uncompressed, since the stripper must see it as sent
+/// to take the option's additions back out.
+fn outgoing(
+    parts: &http::request::Parts,
+    upstream: &Upstream,
+    body: &Bytes,
+    edited: Option<&Bytes>,
+    injected: bool,
+) -> Option<Request<UpBody>> {
+    let send_body = edited.unwrap_or(body).clone();
+    let mut up = build_upstream_request(parts, upstream, full(send_body), edited.is_some())?;
+    if injected {
+        up.headers_mut().insert(
+            http::header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+    }
+    Some(up)
+}
+
+/// What a request leaving for the upstream counts.
+fn counted_sent(api: Api, start: Instant, injected: bool) {
+    let m = metrics::get();
+    m.proxy_overhead
+        .with_label_values(&[api.as_str()])
+        .observe(start.elapsed().as_secs_f64());
+    if injected {
+        m.usage_injected.with_label_values(&[api.as_str()]).inc();
+    }
 }
 
 /// `--on-over trim`: cut the request down to `--trim-to` with the session's

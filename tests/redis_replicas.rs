@@ -554,3 +554,77 @@ mod begin_shared {
         assert_eq!(b.projection.src, Src::Anchored);
     }
 }
+
+/// A TCP relay in front of `redis-server` that holds back what tidemark
+/// sends while its gate is closed (`false`); the replies pass freely.
+async fn gated_relay(server: &Server) -> (String, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("redis://{}/0", l.local_addr().unwrap());
+    let target = ("127.0.0.1", server.port);
+    let (gate, open) = tokio::sync::watch::channel(true);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = l.accept().await {
+            let Ok(redis) = tokio::net::TcpStream::connect(target).await else {
+                continue;
+            };
+            let ((mut cr, mut cw), (mut rr, mut rw)) = (client.into_split(), redis.into_split());
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut rr, &mut cw).await;
+            });
+            let mut open = open.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n @ 1..) = cr.read(&mut buf).await {
+                    if open.wait_for(|o| *o).await.is_err() || rw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (url, gate)
+}
+
+/// With nothing to decide before forwarding (`--on-over pass`, no budget),
+/// the request leaves before tidemark waits on its state backend: here the
+/// backend answers only once the upstream has the request, and still in
+/// time. With `--on-over reject` the projection must come first, so the
+/// same backend times out and the answer says `state=local`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_nothing_to_decide_the_request_leaves_before_the_state_lookup() {
+    let server = Server::start();
+    let (relay, gate) = gated_relay(&server).await;
+    let opener = gate.clone();
+    let up = support::upstream(support::handler(move |_req| {
+        // The upstream has the request: let tidemark's state lookup through.
+        opener.send_replace(true);
+        http::Response::builder()
+            .header("content-type", "application/json")
+            .body(support::full(support::fixture(
+                "anthropic-messages/nonstream_basic.json",
+            )))
+            .unwrap()
+    }))
+    .await;
+    let route = format!("/v1/messages={}", up.url());
+    let c = client_h1();
+    for (on_over, leaves_first) in [("pass", true), ("reject", false)] {
+        let p = support::proxy(
+            &up.url(),
+            &["--state", &relay, "--route", &route, "--on-over", on_over],
+        )
+        .await;
+        wait_ready(&c, &p, 200).await;
+        gate.send_replace(false);
+        let r = support::within(10, ask(&c, &p, &format!("s-{on_over}"), &turn(1))).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            !r.has("state=local"),
+            leaves_first,
+            "--on-over {on_over}: {}",
+            r.projection
+        );
+        assert!(*gate.borrow(), "the upstream saw the request");
+    }
+}
