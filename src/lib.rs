@@ -29,7 +29,10 @@
 //!    OpenAI chat usage option injected (`inject.rs`), connect and
 //!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
 //!    by ALPN) has no task per HTTP/1.1 connection: the response body drives
-//!    its connection, so bytes that arrived together leave together.
+//!    its connection, so bytes that arrived together leave together. When no
+//!    policy can stop or change the request (`--on-over pass`, no session
+//!    budget, no exact cold start: the defaults), it leaves right after step
+//!    3 and steps 4-6 run while the upstream works.
 //! 8. **Tap** (`tap.rs`): the response body is wrapped, never buffered: every
 //!    frame goes to the client as it arrives while `usage.rs` decompresses a
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
