@@ -32,6 +32,8 @@ pub fn inject_include_usage(body: &[u8], req: &RequestView<'_>) -> Option<Vec<u8
             out.extend_from_slice(&body[span.end..]);
             return Some(out);
         }
+        // What SDKs send when the client asked itself: nothing to add, no parse.
+        Some(raw) if raw.get() == r#"{"include_usage":true}"# => return None,
         Some(raw) => {
             let inner = RequestView::parse(raw.get().as_bytes())?;
             if inner.raw("include_usage").is_some() {
