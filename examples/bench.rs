@@ -2,7 +2,7 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--session-per-conn]
 //!
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
@@ -155,17 +155,22 @@ async fn load(url: String, body: Bytes, conc: usize, secs: f64, ttfb: bool) -> S
     let stop = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..conc {
+    // `--session-per-conn`: each connection is its own agent session
+    // (`x-session-id`), instead of all of them being one session.
+    let per_conn = std::env::args().any(|a| a == "--session-per-conn");
+    for conn in 0..conc {
         let (client, url, body, stop) =
             (client.clone(), url.clone(), body.clone(), Arc::clone(&stop));
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
+            let session = format!("bench-{conn}");
             while !stop.load(Ordering::Relaxed) {
                 let t = Instant::now();
-                let req = Request::post(&url)
-                    .header("content-type", "application/json")
-                    .body(Full::new(body.clone()))
-                    .unwrap();
+                let mut req = Request::post(&url).header("content-type", "application/json");
+                if per_conn {
+                    req = req.header("x-session-id", &session);
+                }
+                let req = req.body(Full::new(body.clone())).unwrap();
                 let Ok(resp) = client.request(req).await else {
                     continue;
                 };
