@@ -49,7 +49,7 @@ fn stream_chunks(n: usize) -> Vec<Bytes> {
 }
 
 /// The in-process upstream: `/fast` non-stream, `/stream` 20 chunks at once,
-/// `/slow` one chunk after 20 ms (time to first byte).
+/// `/slow` one chunk after 20 ms (time to first byte), `/think` after 100 ms.
 async fn upstream() -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -73,11 +73,13 @@ async fn upstream() -> SocketAddr {
                             .header("content-type", "text/event-stream")
                             .body(StreamBody::new(s).boxed_unsync())
                             .unwrap()
-                    } else if path.contains("/slow/") {
-                        let s = futures_util::stream::unfold(0u8, |i| async move {
+                    } else if path.contains("/slow/") || path.contains("/think/") {
+                        // `/think/`: a model that thinks 100 ms before its first token.
+                        let wait = if path.contains("/think/") { 100 } else { 20 };
+                        let s = futures_util::stream::unfold(0u8, move |i| async move {
                             match i {
                                 0 => {
-                                    tokio::time::sleep(Duration::from_millis(20)).await;
+                                    tokio::time::sleep(Duration::from_millis(wait)).await;
                                     Some((
                                         Ok::<_, Infallible>(Frame::data(
                                             stream_chunks(1).remove(0),
@@ -148,7 +150,35 @@ fn pct(v: &mut [Duration], p: f64) -> Duration {
 }
 
 /// `conc` clients send `body` to `url` for `secs`; full responses are read.
+/// `body` with a number unique to this request at the start of every
+/// message's content, so no message is in the estimator's cache: a history
+/// tidemark has never seen (after a restart, or a compaction rewrote it).
+fn fresh(body: &[u8], n: u64) -> Bytes {
+    let mark = b"\"content\":\"";
+    let mut out = Vec::with_capacity(body.len() + body.len() / 8);
+    let mut rest = body;
+    while let Some(i) = memchr::memmem::find(rest, mark) {
+        out.extend_from_slice(&rest[..i + mark.len()]);
+        out.extend_from_slice(format!("r{n} ").as_bytes());
+        rest = &rest[i + mark.len()..];
+    }
+    out.extend_from_slice(rest);
+    Bytes::from(out)
+}
+
 async fn load(url: String, body: Bytes, conc: usize, secs: f64, ttfb: bool) -> Stats {
+    load_with(url, body, conc, secs, ttfb, false).await
+}
+
+async fn load_with(
+    url: String,
+    body: Bytes,
+    conc: usize,
+    secs: f64,
+    ttfb: bool,
+    cold: bool,
+) -> Stats {
+    static REQUEST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(conc * 2)
         .build_http();
@@ -170,7 +200,12 @@ async fn load(url: String, body: Bytes, conc: usize, secs: f64, ttfb: bool) -> S
                 if per_conn {
                     req = req.header("x-session-id", &session);
                 }
-                let req = req.body(Full::new(body.clone())).unwrap();
+                let body = if cold {
+                    fresh(&body, REQUEST.fetch_add(1, Ordering::Relaxed))
+                } else {
+                    body.clone()
+                };
+                let req = req.body(Full::new(body)).unwrap();
                 let Ok(resp) = client.request(req).await else {
                     continue;
                 };
@@ -389,7 +424,7 @@ fn main() {
         println!("note: nginx not found (apt-get install nginx-light); its column is skipped");
     }
 
-    let scenarios: [(&str, &str, &Bytes, usize, bool); 6] = [
+    let scenarios: [(&str, &str, &Bytes, usize, bool); 7] = [
         (
             "small non-stream, 32 conc",
             "/v1/chat/completions",
@@ -435,6 +470,16 @@ fn main() {
             4,
             true,
         ),
+        (
+            // Every request a 400 KB history never seen before, to a model
+            // that thinks 100 ms: the estimate from scratch (tens of ms)
+            // runs while the upstream thinks, or before it is asked.
+            "cold 400 KB TTFB, 2 conc",
+            "/v1/think/chat/completions",
+            &big,
+            2,
+            true,
+        ),
     ];
     println!("tidemark bench: {secs}s per cell (median of {repeat}), upstream/proxy/load each on its own 2-thread runtime, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     println!(
@@ -469,12 +514,13 @@ fn main() {
                     _ => Some(cpu_secs("bench-tidemark", None)),
                 };
                 let before = cpu();
-                let s = gen.block_on(load(
+                let s = gen.block_on(load_with(
                     format!("{base}{path}"),
                     body.clone(),
                     conc,
                     secs,
                     ttfb,
+                    name.starts_with("cold"),
                 ));
                 let used = cpu().zip(before).map(|(a, b)| (a - b) / s.n.max(1) as f64);
                 match runs.iter_mut().find(|(t, _)| t == tname) {

@@ -3,8 +3,8 @@
 //! tidemark produces to a response in the API's own shape.
 
 use std::convert::Infallible;
-use std::io::Read;
 use std::future::Future;
+use std::io::Read;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;

@@ -576,7 +576,9 @@ async fn gated_relay(server: &Server) -> (String, tokio::sync::watch::Sender<boo
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 16 * 1024];
                 while let Ok(n @ 1..) = cr.read(&mut buf).await {
-                    if open.wait_for(|o| *o).await.is_err() || rw.write_all(&buf[..n]).await.is_err() {
+                    if open.wait_for(|o| *o).await.is_err()
+                        || rw.write_all(&buf[..n]).await.is_err()
+                    {
                         break;
                     }
                 }
