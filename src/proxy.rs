@@ -1314,10 +1314,9 @@ fn finish_session(state: &State, shared: Option<String>, ticket: Ticket, outcome
     let redis = redis.clone();
     rt.spawn(async move {
         // Failures are counted and logged by the backend; the local state
-        // already has this response.
-        if let Some(bytes) = record {
-            let _ = redis.store(&sid, seq, &bytes).await;
-        }
+        // already has this response. The record goes last: once it is
+        // stored, so are this response's spend and calibration, and a
+        // replica that reads the record reads them too.
         if spend != (0, 0, 0) {
             let _ = redis.add_spend(&sid, spend.0, spend.1, spend.2).await;
         }
@@ -1330,6 +1329,9 @@ fn finish_session(state: &State, shared: Option<String>, ticket: Ticket, outcome
                     let _ = redis.store_model_calibration(&m, field, v).await;
                 }
             }
+        }
+        if let Some(bytes) = record {
+            let _ = redis.store(&sid, seq, &bytes).await;
         }
     });
 }

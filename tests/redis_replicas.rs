@@ -135,15 +135,20 @@ async fn raw(server: &Server) -> redis::aio::MultiplexedConnection {
         .expect("raw connection")
 }
 
-/// The one Redis key of `session` with this suffix (`seq`, `rec`, `spend`).
-async fn key_of(conn: &mut redis::aio::MultiplexedConnection, session: &str, part: &str) -> String {
+/// The Redis key of `session` with this suffix (`seq`, `rec`, `spend`), if
+/// it exists yet (write-backs land off the response path).
+async fn find_key(
+    conn: &mut redis::aio::MultiplexedConnection,
+    session: &str,
+    part: &str,
+) -> Option<String> {
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("tidemark:v1:{{*:{session}}}:{part}"))
         .query_async(conn)
         .await
         .expect("KEYS");
-    assert_eq!(keys.len(), 1, "one {part} key for {session}: {keys:?}");
-    keys.into_iter().next().unwrap_or_default()
+    assert!(keys.len() <= 1, "one {part} key for {session}: {keys:?}");
+    keys.into_iter().next()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,9 +160,13 @@ async fn alternating_replicas_stay_anchored_and_continuous() {
     let route = format!("/v1/messages={}", sim.url);
     let single = support::proxy(&sim.url, &["--route", &route]).await;
     let c = client_h1();
+    let mut conn = raw(&server).await;
     for t in 1..=14u64 {
         let p = if t % 2 == 1 { &a } else { &b };
         let r = ask(&c, p, "alt-1", &turn(t)).await;
+        // The write-back is off the response path: the next turn, on the
+        // other replica, starts once this one's record is in Redis.
+        written_back(&mut conn, "alt-1").await;
         let one = ask(&c, &single, "alt-1", &turn(t)).await;
         assert_eq!(r.status, 200, "turn {t}");
         assert!(!r.has("state=local"), "turn {t}: {}", r.projection);
@@ -187,6 +196,7 @@ async fn alternating_replicas_stay_anchored_and_continuous() {
     wait_ready(&c, &fresh, 200).await;
     let r = ask(&c, &fresh, "alt-1", &turn(15)).await;
     assert!(r.has("src=anchored"), "{}", r.projection);
+    written_back(&mut conn, "alt-1").await;
 
     // DELETE on one replica drops the anchor for the other too.
     let del = http::Request::delete(a.admin_url("/sessions/alt-1"))
@@ -196,6 +206,7 @@ async fn alternating_replicas_stay_anchored_and_continuous() {
     assert_eq!(parts.status, 200);
     let r = ask(&c, &b, "alt-1", &turn(16)).await;
     assert!(!r.has("src=anchored"), "after DELETE: {}", r.projection);
+    written_back(&mut conn, "alt-1").await;
     let r = ask(&c, &a, "alt-1", &turn(17)).await;
     assert!(r.has("src=anchored"), "re-anchored: {}", r.projection);
     for p in [a, b, fresh, single] {
@@ -259,23 +270,40 @@ async fn redis_restart_mid_session_serves_locally_then_shares_again() {
     }
     // And the record is back in Redis.
     let mut conn = raw(&server).await;
-    let k = key_of(&mut conn, "restart-1", "rec").await;
-    let s: Option<u64> = redis::cmd("HGET")
-        .arg(&k)
-        .arg("s")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert!(s.unwrap_or(0) > 0);
+    written_back(&mut conn, "restart-1").await;
     for p in [a, b] {
         p.stop().await;
     }
 }
 
+/// Bounded wait until the session's newest request has its record in Redis
+/// (the record's sequence is the session's counter). The record is the last
+/// thing a write-back stores, so that response's spend and the model's
+/// calibration are in too.
+async fn written_back(conn: &mut redis::aio::MultiplexedConnection, session: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (s, anchor, counter) = stored(conn, session).await;
+        if s == counter && anchor > 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{session}: record s={s} (anchor of {anchor}) not the newest request's ({counter}) within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// The stored record's anchor and sequence, and the session's counter.
+/// All zero while the keys are not there yet.
 async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> (u64, u64, u64) {
-    let rec = key_of(conn, session, "rec").await;
-    let seq = key_of(conn, session, "seq").await;
+    let (Some(rec), Some(seq)) = (
+        find_key(conn, session, "rec").await,
+        find_key(conn, session, "seq").await,
+    ) else {
+        return (0, 0, 0);
+    };
     let (s, d): (Option<u64>, Option<Vec<u8>>) = redis::cmd("HMGET")
         .arg(&rec)
         .arg("s")
@@ -388,11 +416,11 @@ async fn session_budget_counts_spend_from_every_replica() {
         assert_eq!(t.await.unwrap(), 200, "under the budget");
     }
     let mut conn = raw(&server).await;
-    let k = key_of(&mut conn, "budget-1", "spend").await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
+        let k = find_key(&mut conn, "budget-1", "spend").await;
         let (i, o): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(&k)
+            .arg(k.as_deref().unwrap_or("tidemark:v1:none"))
             .arg("i")
             .arg("o")
             .query_async(&mut conn)
