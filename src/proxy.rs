@@ -617,6 +617,25 @@ async fn api_request(
     // or starts the connect.
     let forward_first =
         cfg.on_over == OnOver::Pass && cfg.session_budget.is_none() && !cfg.exact_cold_start;
+    // Who is asking: cheap (a hash of the credential, and of the messages up
+    // to the first user message), so it comes before the request leaves.
+    let model = p.model(path, &view);
+    let credential = credential_hash(&parts.headers, query);
+    let key = session_key(cfg, &parts.headers, p, &view, &credential);
+    let continues = p.continues(&view);
+    // Forwarded before it is projected, the request takes its place in the
+    // session's order now, so two in flight keep the order they came in.
+    // (With --state redis the order is Redis's, taken when it is asked.)
+    let order = match forward_first && state.redis.is_none() {
+        true => state.sessions.reserve(
+            key.as_deref(),
+            &credential,
+            api,
+            model.as_deref(),
+            continues.as_deref(),
+        ),
+        false => None,
+    };
     let mut early = None;
     if forward_first {
         let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
@@ -629,11 +648,8 @@ async fn api_request(
         }
     }
 
-    let model = p.model(path, &view);
     let series = m.series(api.as_str(), model.as_deref());
     let estimate = state.estimator.estimate(p, &view, model.as_deref());
-    let credential = credential_hash(&parts.headers, query);
-    let key = session_key(cfg, &parts.headers, p, &view, &credential);
     let reset = parts
         .headers
         .get(X_CONTEXT_RESET)
@@ -679,11 +695,11 @@ async fn api_request(
         reset,
         window,
         counted: None,
-        continues: p.continues(&view),
+        continues,
     };
     let mut begun = match fetched {
         Some(f) => state.sessions.begin_shared(facts, Some(f)),
-        None => state.sessions.begin(facts),
+        None => state.sessions.begin_in_order(facts, order),
     };
     // --exact-cold-start: no anchor, so ask the provider's own counter.
     if cfg.exact_cold_start && begun.anchorless() {

@@ -504,6 +504,74 @@ impl Sessions {
 
     /// Project a request and open its ticket.
     pub fn begin(&self, facts: RequestFacts) -> Begun {
+        self.begin_in_order(facts, None)
+    }
+
+    /// Take the request's place in its session's order now, before it is
+    /// projected: a request forwarded before its estimate is worked out
+    /// (forward-first) keeps the order in which requests arrived, so of two
+    /// in flight at once the later one's response still wins. The session
+    /// is the one [`Sessions::begin`] will find (the same key, credential
+    /// and `previous_response_id` link), made here if it is new. `None`
+    /// without a session key. Pass the answer to [`Sessions::begin_in_order`].
+    pub fn reserve(
+        &self,
+        key: Option<&str>,
+        credential: &str,
+        api: Api,
+        model: Option<&str>,
+        continues: Option<&str>,
+    ) -> Option<u64> {
+        let linked = continues.and_then(|id| self.follow(id, credential));
+        let key = linked.as_deref().or(key)?;
+        let (mut slot, idx) = self.slot(key, credential, api, model);
+        let rec = &mut slot[idx];
+        rec.seq += 1;
+        Some(rec.seq)
+    }
+
+    /// The session's record of `key` and `credential`, made if new (evicting
+    /// at the cap).
+    fn slot(
+        &self,
+        key: &str,
+        credential: &str,
+        api: Api,
+        model: Option<&str>,
+    ) -> (
+        dashmap::mapref::one::RefMut<'_, Box<str>, Vec<Record>>,
+        usize,
+    ) {
+        let exists = self
+            .map
+            .get(key)
+            .is_some_and(|v| v.iter().any(|r| *r.credential == *credential));
+        if !exists && self.count.load(Ordering::Relaxed) >= self.cap {
+            self.evict();
+        }
+        let mut slot = match self.map.get_mut(key) {
+            Some(s) => s,
+            // Capacity 1: a `Vec` of large elements would otherwise start at 4.
+            None => self
+                .map
+                .entry(Box::from(key))
+                .or_insert_with(|| Vec::with_capacity(1)),
+        };
+        let idx = match slot.iter().position(|r| *r.credential == *credential) {
+            Some(i) => i,
+            None => {
+                slot.push(Record::new(credential, api, model));
+                self.count.fetch_add(1, Ordering::Relaxed);
+                self.gauges[State::New as usize].inc();
+                slot.len() - 1
+            }
+        };
+        (slot, idx)
+    }
+
+    /// [`Sessions::begin`] at the place `order` that [`Sessions::reserve`]
+    /// took (`None`: the next place now).
+    pub fn begin_in_order(&self, facts: RequestFacts, order: Option<u64>) -> Begun {
         let RequestFacts {
             key,
             credential,
@@ -544,32 +612,9 @@ impl Sessions {
             };
         };
 
-        let exists = self
-            .map
-            .get(key.as_str())
-            .is_some_and(|v| v.iter().any(|r| *r.credential == *credential));
-        if !exists && self.count.load(Ordering::Relaxed) >= self.cap {
-            self.evict();
-        }
         let touch = self.clock.fetch_add(1, Ordering::Relaxed);
         let idle = self.mono_ms(Instant::now());
-        let mut slot = match self.map.get_mut(key.as_str()) {
-            Some(s) => s,
-            // Capacity 1: a `Vec` of large elements would otherwise start at 4.
-            None => self
-                .map
-                .entry(Box::from(key.as_str()))
-                .or_insert_with(|| Vec::with_capacity(1)),
-        };
-        let idx = match slot.iter().position(|r| *r.credential == *credential) {
-            Some(i) => i,
-            None => {
-                slot.push(Record::new(&credential, api, model.as_deref()));
-                self.count.fetch_add(1, Ordering::Relaxed);
-                self.gauges[State::New as usize].inc();
-                slot.len() - 1
-            }
-        };
+        let (mut slot, idx) = self.slot(&key, &credential, api, model.as_deref());
         let rec = &mut slot[idx];
         // A request chained with `previous_response_id` carries only its new
         // input: the provider prepends the stored conversation, so its size
@@ -579,8 +624,17 @@ impl Sessions {
             _ => estimate,
         };
         let before = rec.state;
-        rec.seq += 1;
-        let seq = rec.seq;
+        let seq = match order {
+            // Taken on arrival; a later arrival may have begun already.
+            Some(s) => {
+                rec.seq = rec.seq.max(s);
+                s
+            }
+            None => {
+                rec.seq += 1;
+                rec.seq
+            }
+        };
         rec.touch = touch;
         rec.idle_ms = idle;
         rec.last_seen_ms = wall_ms();
@@ -597,7 +651,13 @@ impl Sessions {
             rec.marginal_estimate = 0.0;
             rec.growth = None;
         }
-        let shrink = !model_changed && rec.anchor.is_some_and(|a| estimate < a.estimate);
+        // A shrink is a compaction only against an anchor of an earlier
+        // request: one that arrived before the anchor's request but is
+        // projected after it (forward-first) is just the smaller, older body.
+        let shrink = !model_changed
+            && rec
+                .anchor
+                .is_some_and(|a| a.seq < seq && estimate < a.estimate);
         if shrink {
             rec.compactions = rec.compactions.saturating_add(1);
             let m = metrics::get();

@@ -245,6 +245,61 @@ fn newest_response_wins_over_an_older_one_in_flight() {
 }
 
 #[test]
+fn order_is_taken_on_arrival_when_projection_comes_later() {
+    // Forward-first: a request reserves its place as it arrives and is
+    // projected after it has gone upstream, so the later arrival may be
+    // projected first. Its response still wins, in either finishing order.
+    let s = store(100);
+    let reserve = || {
+        s.reserve(
+            Some("arrive"),
+            CRED,
+            Api::OpenAiChat,
+            Some("arrive-model"),
+            None,
+        )
+    };
+    // A brand-new session is made by the reservation.
+    let first = reserve();
+    assert_eq!(first, Some(1));
+    let b = s.begin_in_order(facts("arrive", "arrive-model", 1_000), first);
+    s.finish(b.ticket, ok(1_500));
+
+    for (i, newer_finishes_first) in [(0u64, true), (1, false)] {
+        // Each round's bodies grow past the last round's.
+        let (est_old, est_new) = (1_100 + 1_000 * i, 1_300 + 1_000 * i);
+        let (real_old, real_new) = (1_650 + 1_500 * i, 1_950 + 1_500 * i);
+        let older = reserve();
+        let newer = reserve();
+        let n = s.begin_in_order(facts("arrive", "arrive-model", est_new), newer);
+        let n_seq = n.ticket.seq();
+        let o;
+        if newer_finishes_first {
+            s.finish(n.ticket, ok(real_new));
+            // Projected only now, after the newer one anchored: its smaller
+            // body is older, not a compaction.
+            o = s.begin_in_order(facts("arrive", "arrive-model", est_old), older);
+            assert!(o.ticket.seq() < n_seq);
+            s.finish(o.ticket, ok(real_old));
+        } else {
+            o = s.begin_in_order(facts("arrive", "arrive-model", est_old), older);
+            assert!(o.ticket.seq() < n_seq);
+            s.finish(o.ticket, ok(real_old));
+            s.finish(n.ticket, ok(real_new));
+        }
+        let r = rec(&s, "arrive");
+        let a = r.anchor.expect("anchored");
+        assert_eq!((a.real, a.estimate), (real_new, est_new), "round {i}");
+        assert_eq!(r.compactions, 0, "round {i}");
+    }
+    // And a request that reserved nothing still goes after them all.
+    let next = s.begin(facts("arrive", "arrive-model", 1_400));
+    assert_eq!(next.ticket.seq(), 6);
+    // No key, no place.
+    assert_eq!(s.reserve(None, CRED, Api::OpenAiChat, None, None), None);
+}
+
+#[test]
 fn an_older_response_does_not_re_anchor_after_a_reset() {
     let s = store(100);
     let b = s.begin(facts("fence", "fence-model", 1_000));
