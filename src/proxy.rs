@@ -603,7 +603,7 @@ async fn api_request(
     let view = decoded.as_deref().and_then(RequestView::parse);
     let Some(view) = view else {
         // Not JSON we can read: forward untouched, no projection.
-        return forward_unread(state, parts, body, upstream, p, start).await;
+        return Box::pin(forward_unread(state, parts, body, upstream, p, start)).await;
     };
 
     let query = parts.uri.query();
@@ -663,7 +663,7 @@ async fn api_request(
     let (mut shared, mut local_state, mut fetched) = (None, false, None);
     if let (Some(redis), Some(k)) = (&state.redis, &key) {
         let sid = shared_session_id(&credential, k);
-        let begin = redis.begin(&sid, model.as_deref());
+        let begin = Box::pin(redis.begin(&sid, model.as_deref()));
         let begun = match early.as_mut() {
             // A request already sent is driven meanwhile (its connect, the
             // rest of a long body), or it would wait for this lookup.
@@ -704,7 +704,8 @@ async fn api_request(
     // --exact-cold-start: no anchor, so ask the provider's own counter.
     if cfg.exact_cold_start && begun.anchorless() {
         if let Some((cpath, cbody)) = p.count_request(path, &view) {
-            if let Some(n) = count_exact(state, &parts, upstream, p, &cpath, cbody).await {
+            let counting = Box::pin(count_exact(state, &parts, upstream, p, &cpath, cbody));
+            if let Some(n) = counting.await {
                 state.sessions.apply_count(&mut begun, n);
             }
         }
@@ -860,7 +861,7 @@ async fn api_request(
                         full(retry),
                         ins.edited.is_some(),
                     ) {
-                        Some(up) => result = send(state, up).await,
+                        Some(up) => result = Box::pin(send(state, up)).await,
                         None => return reject(state, p, ins, &ProxyError::ClientBody),
                     }
                 } else {
