@@ -387,7 +387,38 @@ fn main() {
     let up_rt = runtime(2, "bench-upstream");
     let up = up_rt.block_on(upstream());
 
-    let px_rt = runtime(2, "bench-tidemark");
+    // `--proxy-rt multi2` (default: tokio's multi-thread scheduler, 2
+    // workers, as `#[tokio::main]` gives tidemark on this box), `multi1`, or
+    // `current1` (one thread, tokio's current-thread scheduler): what the
+    // scheduler costs per request.
+    let rt_kind = arg("--proxy-rt");
+    let current_thread = || {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("bench-tidemark".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                tx.send(rt.handle().clone()).unwrap();
+                rt.block_on(std::future::pending::<()>());
+            })
+            .unwrap();
+        rx.recv().unwrap()
+    };
+    let _px_rt;
+    let px_rt: tokio::runtime::Handle = match rt_kind.as_str() {
+        "current1" => current_thread(),
+        "multi1" => {
+            _px_rt = runtime(1, "bench-tidemark");
+            _px_rt.handle().clone()
+        }
+        _ => {
+            _px_rt = runtime(2, "bench-tidemark");
+            _px_rt.handle().clone()
+        }
+    };
     let start_tidemark = |extra: &[&str]| {
         px_rt.block_on(async {
             let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
