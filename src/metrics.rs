@@ -44,6 +44,57 @@ pub struct Metrics {
     pub up: Gauge,
     /// Model label values seen, each with its series per API.
     models: Mutex<HashMap<String, Vec<Arc<Series>>>>,
+    /// Per-API handles into the `[api]` families, by [`API_LABELS`] index.
+    apis: [ApiSeries; API_LABELS.len()],
+}
+
+/// Every `api` label value: the five APIs' names and `other`.
+pub const API_LABELS: [&str; 6] = [
+    "openai-chat",
+    "openai-responses",
+    "anthropic-messages",
+    "gemini",
+    "ollama",
+    "other",
+];
+
+/// One API's handles into the families labelled by `api` alone, each made
+/// on first use: every request touches three or four of them, and a
+/// `with_label_values` lookup hashes and locks each time.
+pub struct ApiSeries {
+    api: &'static str,
+    proxy_overhead: OnceLock<Histogram>,
+    ttfb: OnceLock<Histogram>,
+    request_duration: OnceLock<Histogram>,
+    usage_injected: OnceLock<IntCounter>,
+}
+
+impl ApiSeries {
+    fn new(api: &'static str) -> Self {
+        ApiSeries {
+            api,
+            proxy_overhead: OnceLock::new(),
+            ttfb: OnceLock::new(),
+            request_duration: OnceLock::new(),
+            usage_injected: OnceLock::new(),
+        }
+    }
+    pub fn proxy_overhead(&self) -> &Histogram {
+        self.proxy_overhead
+            .get_or_init(|| get().proxy_overhead.with_label_values(&[self.api]))
+    }
+    pub fn ttfb(&self) -> &Histogram {
+        self.ttfb
+            .get_or_init(|| get().ttfb.with_label_values(&[self.api]))
+    }
+    pub fn request_duration(&self) -> &Histogram {
+        self.request_duration
+            .get_or_init(|| get().request_duration.with_label_values(&[self.api]))
+    }
+    pub fn usage_injected(&self) -> &IntCounter {
+        self.usage_injected
+            .get_or_init(|| get().usage_injected.with_label_values(&[self.api]))
+    }
 }
 
 macro_rules! series {
@@ -54,12 +105,24 @@ macro_rules! series {
         pub struct Series {
             api: &'static str,
             pub model: String,
+            /// `tidemark_requests_total{status="200"}`, the one status
+            /// nearly every request ends with.
+            requests_ok: OnceLock<IntCounter>,
             $($name: OnceLock<$ty>,)*
         }
 
         impl Series {
             fn new(api: &'static str, model: String) -> Self {
-                Series { api, model, $($name: OnceLock::new(),)* }
+                Series { api, model, requests_ok: OnceLock::new(), $($name: OnceLock::new(),)* }
+            }
+
+            /// `tidemark_requests_total` of this series and `status`.
+            pub fn requests(&self, status: u16) -> IntCounter {
+                let make = || get().requests.with_label_values(&[self.api, &self.model, &status.to_string()]);
+                match status {
+                    200 => self.requests_ok.get_or_init(make).clone(),
+                    _ => make(),
+                }
             }
             $(
                 pub fn $name(&self) -> &$ty {
@@ -285,7 +348,18 @@ impl Metrics {
             up,
             registry: r,
             models: Mutex::new(HashMap::new()),
+            apis: API_LABELS.map(ApiSeries::new),
         }
+    }
+
+    /// The handles of one `api` label value (one of [`API_LABELS`]; any
+    /// other name is counted as `other`).
+    pub fn api(&self, api: &str) -> &ApiSeries {
+        let i = API_LABELS
+            .iter()
+            .position(|a| *a == api)
+            .unwrap_or(API_LABELS.len() - 1);
+        &self.apis[i]
     }
 
     /// The `model` label value for a client-supplied model name: itself while
@@ -350,4 +424,45 @@ pub fn get() -> &'static Metrics {
 /// Convenience for a histogram observation with fixed labels.
 pub fn observe(h: &HistogramVec, labels: &[&str], v: f64) {
     h.with_label_values(labels).observe(v);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::Api;
+
+    #[test]
+    fn every_api_has_its_own_handles() {
+        let apis = [
+            Api::OpenAiChat,
+            Api::OpenAiResponses,
+            Api::Anthropic,
+            Api::Gemini,
+            Api::Ollama,
+        ];
+        for a in apis {
+            assert_eq!(get().api(a.as_str()).api, a.as_str());
+        }
+        assert_eq!(get().api("other").api, "other");
+    }
+
+    #[test]
+    fn cached_request_counters_are_the_labelled_series() {
+        let s = get().series("openai-chat", Some("metrics-unit-model"));
+        s.requests(200).inc();
+        s.requests(200).inc();
+        s.requests(429).inc();
+        let labelled = |code: &str| {
+            get()
+                .requests
+                .with_label_values(&["openai-chat", "metrics-unit-model", code])
+                .get()
+        };
+        assert_eq!((labelled("200"), labelled("429")), (2, 1));
+        get().api("gemini").ttfb().observe(0.5);
+        assert_eq!(
+            get().ttfb.with_label_values(&["gemini"]).get_sample_count(),
+            1
+        );
+    }
 }

@@ -266,8 +266,8 @@ async fn passthrough(
         None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
     };
     let m = metrics::get();
-    m.proxy_overhead
-        .with_label_values(&["other"])
+    m.api("other")
+        .proxy_overhead()
         .observe(start.elapsed().as_secs_f64());
     match send(state, up).await {
         Ok(resp) => {
@@ -275,9 +275,7 @@ async fn passthrough(
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter =
-                m.requests
-                    .with_label_values(&["other", &m.model_label(None), &code.to_string()]);
+            let counter = m.series("other", None).requests(code);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
             let body = ObservedBody::watched(
                 body.map_err(Into::into).boxed_unsync(),
@@ -891,8 +889,9 @@ async fn api_request(
     upstream::strip_hop_by_hop(&mut rparts.headers);
     add_policy_headers(&mut rparts.headers, &ins, cfg.warn_at);
     let mut watch = Watch::new(start);
-    watch.ttfb = Some(m.ttfb.with_label_values(&[api.as_str()]));
-    watch.duration = Some(m.request_duration.with_label_values(&[api.as_str()]));
+    let handles = m.api(api.as_str());
+    watch.ttfb = Some(handles.ttfb().clone());
+    watch.duration = Some(handles.request_duration().clone());
     if status.is_success() && cfg.tap {
         let ct = rparts
             .headers
@@ -990,12 +989,12 @@ fn outgoing(
 
 /// What a request leaving for the upstream counts.
 fn counted_sent(api: Api, start: Instant, injected: bool) {
-    let m = metrics::get();
-    m.proxy_overhead
-        .with_label_values(&[api.as_str()])
+    let handles = metrics::get().api(api.as_str());
+    handles
+        .proxy_overhead()
         .observe(start.elapsed().as_secs_f64());
     if injected {
-        m.usage_injected.with_label_values(&[api.as_str()]).inc();
+        handles.usage_injected().inc();
     }
 }
 
@@ -1112,18 +1111,16 @@ async fn forward_unread(
     let Some(up) = build_upstream_request(&parts, upstream, full(body), false) else {
         return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
     };
-    m.proxy_overhead
-        .with_label_values(&[api])
+    m.api(api)
+        .proxy_overhead()
         .observe(start.elapsed().as_secs_f64());
     match send(state, up).await {
         Ok(resp) => {
-            let code = resp.status().as_u16().to_string();
+            let code = resp.status().as_u16();
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m
-                .requests
-                .with_label_values(&[api, &m.model_label(None), &code]);
+            let counter = m.series(p.api().as_str(), None).requests(code);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
             Response::from_parts(
                 parts,
@@ -1214,11 +1211,8 @@ fn record(
     status: u16,
     ins: Inspected,
 ) -> Box<dyn FnOnce(Finish) + Send> {
-    let m = metrics::get();
     let a = api.as_str();
-    let requests = m
-        .requests
-        .with_label_values(&[a, &ins.series.model, &status.to_string()]);
+    let requests = ins.series.requests(status);
     // The callback outlives this request's borrow of the state.
     let state = Arc::clone(state);
     Box::new(move |f: Finish| {
