@@ -32,7 +32,9 @@
 //!    its connection, so bytes that arrived together leave together. When no
 //!    policy can stop or change the request (`--on-over pass`, no session
 //!    budget, no exact cold start: the defaults), it leaves right after step
-//!    3 and steps 4-6 run while the upstream works.
+//!    3, having taken its place in its session's order (so two in flight
+//!    keep the order they came in), and steps 4-6 run while the upstream
+//!    works.
 //! 8. **Tap** (`tap.rs`): the response body is wrapped, never buffered: every
 //!    frame goes to the client as it arrives while `usage.rs` decompresses a
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
