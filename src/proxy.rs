@@ -301,14 +301,25 @@ async fn passthrough(
 /// than `--header-read-timeout` between frames (a client trickling its body
 /// cannot hold a connection forever), and all of it within `--upstream-timeout`.
 async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
+    // Room for a declared Content-Length up front (no regrowing copies of a
+    // long history); a body that comes in one frame is kept, not copied.
+    let declared = http_body::Body::size_hint(&body)
+        .lower()
+        .min(cfg.max_body_bytes as u64) as usize;
     let mut body = Limited::new(body, cfg.max_body_bytes);
+    let mut first: Option<Bytes> = None;
     let mut buf = bytes::BytesMut::new();
     let deadline = tokio::time::Instant::now() + cfg.upstream_timeout;
     loop {
         let silence = tokio::time::Instant::now() + cfg.header_read_timeout;
         let frame = match tokio::time::timeout_at(silence.min(deadline), body.frame()).await {
             Err(_) => return Err(ProxyError::ClientTimeout),
-            Ok(None) => return Ok(buf.freeze()),
+            Ok(None) => {
+                return Ok(match first {
+                    Some(b) if buf.is_empty() => b,
+                    _ => buf.freeze(),
+                })
+            }
             Ok(Some(Err(e))) => {
                 return Err(
                     if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -323,6 +334,17 @@ async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
             Ok(Some(Ok(f))) => f,
         };
         if let Ok(d) = frame.into_data() {
+            if d.is_empty() {
+                continue;
+            }
+            if buf.is_empty() && first.is_none() {
+                first = Some(d);
+                continue;
+            }
+            if let Some(f) = first.take() {
+                buf.reserve(declared.max(f.len() + d.len()));
+                buf.extend_from_slice(&f);
+            }
             buf.extend_from_slice(&d);
         }
     }

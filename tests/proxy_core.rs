@@ -387,3 +387,51 @@ async fn client_disconnect_cancels_the_upstream_request() {
         px.stop().await;
     }
 }
+
+/// An API request body is read whole however it arrives: one frame, a few,
+/// byte by byte, with or without a declared length, over HTTP/1.1 and h2c.
+/// The upstream gets exactly its bytes and the response its projection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_in_any_framing_are_read_whole_and_forwarded_exactly() {
+    let answer = fixture("openai-chat/nonstream_basic.json");
+    let up = upstream(handler(move |_r| {
+        Response::builder()
+            .header("content-type", "application/json")
+            .body(full(answer.clone()))
+            .unwrap()
+    }))
+    .await;
+    let px = proxy(&up.url(), &[]).await;
+    let body = Bytes::from_static(
+        r#"{"model":"gpt-4o","messages":[{"role":"system","content":"Be terse."},{"role":"user","content":"naïve café 日本語 🦀"}]}"#
+            .as_bytes(),
+    );
+    let n = body.len();
+    let framings: Vec<(&str, Vec<usize>)> = vec![
+        ("one frame", vec![n]),
+        ("three frames", vec![7, n / 2, n]),
+        // Cuts inside the multi-byte characters too.
+        ("byte by byte", (1..=n).collect()),
+    ];
+    for (label, cuts) in framings {
+        for declared in [false, true] {
+            for (proto, client) in [("h1", client_h1()), ("h2c", client_h2c())] {
+                let mut req = Request::post(px.url("/v1/chat/completions"))
+                    .header("content-type", "application/json");
+                if declared {
+                    req = req.header("content-length", n);
+                }
+                let req = req.body(chunked(split(&body, &cuts))).unwrap();
+                let (parts, _) = send(&client, req).await;
+                let what = format!("{label}, declared {declared}, {proto}");
+                assert_eq!(parts.status, StatusCode::OK, "{what}");
+                assert!(
+                    parts.headers.contains_key("x-context-projection"),
+                    "{what}: the body was read"
+                );
+                assert_eq!(up.seen.last().1, body, "{what}: forwarded exactly");
+            }
+        }
+    }
+    px.stop().await;
+}
