@@ -58,43 +58,35 @@ pub const API_LABELS: [&str; 6] = [
     "other",
 ];
 
-/// One API's handles into the families labelled by `api` alone, each made
-/// on first use: every request touches three or four of them, and a
-/// `with_label_values` lookup hashes and locks each time.
-pub struct ApiSeries {
-    api: &'static str,
-    proxy_overhead: OnceLock<Histogram>,
-    ttfb: OnceLock<Histogram>,
-    request_duration: OnceLock<Histogram>,
-    usage_injected: OnceLock<IntCounter>,
+macro_rules! api_series {
+    ($($name:ident: $ty:ty;)*) => {
+        /// One API's handles into the families labelled by `api` alone, each
+        /// made on first use: every request touches three or four of them,
+        /// and a `with_label_values` lookup hashes and locks each time.
+        pub struct ApiSeries {
+            api: &'static str,
+            $($name: OnceLock<$ty>,)*
+        }
+
+        impl ApiSeries {
+            fn new(api: &'static str) -> Self {
+                ApiSeries { api, $($name: OnceLock::new(),)* }
+            }
+            $(
+                pub fn $name(&self) -> &$ty {
+                    self.$name
+                        .get_or_init(|| get().$name.with_label_values(&[self.api]))
+                }
+            )*
+        }
+    };
 }
 
-impl ApiSeries {
-    fn new(api: &'static str) -> Self {
-        ApiSeries {
-            api,
-            proxy_overhead: OnceLock::new(),
-            ttfb: OnceLock::new(),
-            request_duration: OnceLock::new(),
-            usage_injected: OnceLock::new(),
-        }
-    }
-    pub fn proxy_overhead(&self) -> &Histogram {
-        self.proxy_overhead
-            .get_or_init(|| get().proxy_overhead.with_label_values(&[self.api]))
-    }
-    pub fn ttfb(&self) -> &Histogram {
-        self.ttfb
-            .get_or_init(|| get().ttfb.with_label_values(&[self.api]))
-    }
-    pub fn request_duration(&self) -> &Histogram {
-        self.request_duration
-            .get_or_init(|| get().request_duration.with_label_values(&[self.api]))
-    }
-    pub fn usage_injected(&self) -> &IntCounter {
-        self.usage_injected
-            .get_or_init(|| get().usage_injected.with_label_values(&[self.api]))
-    }
+api_series! {
+    proxy_overhead: Histogram;
+    ttfb: Histogram;
+    request_duration: Histogram;
+    usage_injected: IntCounter;
 }
 
 macro_rules! series {

@@ -524,23 +524,23 @@ impl Sessions {
     ) -> Option<u64> {
         let linked = continues.and_then(|id| self.follow(id, credential));
         let key = linked.as_deref().or(key)?;
-        let (mut slot, idx) = self.slot(key, credential, api, model);
+        let (mut slot, idx, _) = self.slot(key, credential, || Record::new(credential, api, model));
         let rec = &mut slot[idx];
         rec.seq += 1;
         Some(rec.seq)
     }
 
-    /// The session's record of `key` and `credential`, made if new (evicting
-    /// at the cap).
+    /// The session's record of `key` and `credential`, made by `make` if
+    /// new (evicting at the cap, counted under its state); whether it was.
     fn slot(
         &self,
         key: &str,
         credential: &str,
-        api: Api,
-        model: Option<&str>,
+        make: impl FnOnce() -> Record,
     ) -> (
         dashmap::mapref::one::RefMut<'_, Box<str>, Vec<Record>>,
         usize,
+        bool,
     ) {
         let exists = self
             .map
@@ -557,16 +557,17 @@ impl Sessions {
                 .entry(Box::from(key))
                 .or_insert_with(|| Vec::with_capacity(1)),
         };
-        let idx = match slot.iter().position(|r| *r.credential == *credential) {
-            Some(i) => i,
+        match slot.iter().position(|r| *r.credential == *credential) {
+            Some(i) => (slot, i, false),
             None => {
-                slot.push(Record::new(credential, api, model));
+                let r = make();
                 self.count.fetch_add(1, Ordering::Relaxed);
-                self.gauges[State::New as usize].inc();
-                slot.len() - 1
+                self.gauges[r.state as usize].inc();
+                slot.push(r);
+                let i = slot.len() - 1;
+                (slot, i, true)
             }
-        };
-        (slot, idx)
+        }
     }
 
     /// [`Sessions::begin`] at the place `order` that [`Sessions::reserve`]
@@ -614,7 +615,9 @@ impl Sessions {
 
         let touch = self.clock.fetch_add(1, Ordering::Relaxed);
         let idle = self.mono_ms(Instant::now());
-        let (mut slot, idx) = self.slot(&key, &credential, api, model.as_deref());
+        let (mut slot, idx, _) = self.slot(&key, &credential, || {
+            Record::new(&credential, api, model.as_deref())
+        });
         let rec = &mut slot[idx];
         // A request chained with `previous_response_id` carries only its new
         // input: the provider prepends the stored conversation, so its size
@@ -1248,37 +1251,14 @@ impl Sessions {
             });
         }
         let cred = facts.credential.as_str();
-        let exists = self
-            .map
-            .get(key)
-            .is_some_and(|v| v.iter().any(|r| *r.credential == *cred));
-        if !exists && self.count.load(Ordering::Relaxed) >= self.cap {
-            self.evict();
-        }
-        let mut created = None;
-        let moved = {
-            let mut slot = match self.map.get_mut(key) {
-                Some(s) => s,
-                None => self
-                    .map
-                    .entry(Box::from(key))
-                    .or_insert_with(|| Vec::with_capacity(1)),
-            };
-            let idx = match slot.iter().position(|r| *r.credential == *cred) {
-                Some(i) => i,
-                None => {
-                    let r = match &sh.record {
-                        Some(r) if *r.credential == *cred => r.clone(),
-                        _ => Record::new(cred, facts.api, facts.model.as_deref()),
-                    };
-                    created = Some(r.state);
-                    slot.push(r);
-                    slot.len() - 1
-                }
-            };
+        let (before, after) = {
+            let (mut slot, idx, created) = self.slot(key, cred, || match &sh.record {
+                Some(r) if *r.credential == *cred => r.clone(),
+                _ => Record::new(cred, facts.api, facts.model.as_deref()),
+            });
             let rec = &mut slot[idx];
             let before = rec.state;
-            if created.is_none() {
+            if !created {
                 match &sh.record {
                     Some(r) if *r.credential == *cred && r.last_ok_seq >= rec.last_ok_seq => {
                         let (touch, idle) = (rec.touch, rec.idle_ms);
@@ -1309,14 +1289,7 @@ impl Sessions {
             rec.state = rec.derive_state();
             (before, rec.state)
         };
-        match created {
-            Some(st) => {
-                self.count.fetch_add(1, Ordering::Relaxed);
-                self.gauges[st as usize].inc();
-                self.transition(st, moved.1);
-            }
-            None => self.transition(moved.0, moved.1),
-        }
+        self.transition(before, after);
         self.begin(facts)
     }
 
