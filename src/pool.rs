@@ -225,19 +225,27 @@ impl Client {
     ) -> Result<Response<UpstreamBody>, Retry> {
         target(&mut req, key, false);
 
+        // The request waits in the connection's queue; the future does not
+        // borrow the connection.
         let mut sent = std::pin::pin!(h1.send.try_send_request(req));
-        let mut conn_done = false;
+        let mut h1 = Some(h1);
         let res = poll_fn(|cx| {
-            if !conn_done {
+            if let Some(c) = h1.as_mut() {
                 // The connection writes the request and reads the head.
-                conn_done = Pin::new(&mut h1.conn).poll(cx).is_ready();
+                if Pin::new(&mut c.conn).poll(cx).is_ready() {
+                    // It has finished: closed by the server (perhaps between
+                    // the check in `checkout` and now) or failed. Dropping it
+                    // hands back a request it never took; kept, that request
+                    // would wait forever.
+                    h1 = None;
+                }
             }
             sent.as_mut().poll(cx)
         })
         .await;
         match res {
             Ok(resp) => {
-                let driven = (!conn_done).then(|| Driven {
+                let driven = h1.map(|h1| Driven {
                     h1,
                     key: key.clone(),
                     pool: Arc::clone(&self.0),
@@ -522,6 +530,72 @@ impl Drop for UpstreamBody {
         // dropped here, closing it: a client that left cancels upstream.
         if self.body.is_end_stream() && self.first.is_none() && self.joined.is_empty() {
             self.release();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::sync::oneshot;
+
+    fn post(addr: std::net::SocketAddr) -> Request<UpBody> {
+        Request::post(format!("http://{addr}/v1/chat/completions"))
+            .body(
+                Full::new(Bytes::from_static(b"{}"))
+                    .map_err(|e| match e {})
+                    .boxed_unsync(),
+            )
+            .unwrap()
+    }
+
+    /// The server closed an idle connection after `checkout` looked at it
+    /// and before the request went out: the request comes back to be sent
+    /// on another connection, rather than waiting forever in the queue of
+    /// one that has finished.
+    #[tokio::test]
+    async fn a_request_a_finished_connection_never_took_comes_back() {
+        let config =
+            crate::Config::from_args(["tidemark", "--upstream", "http://127.0.0.1:1"]).unwrap();
+        let client = crate::upstream::client(&config).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (close, close_now) = oneshot::channel::<()>();
+        let (closed_tx, closed) = oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let mut got = Vec::new();
+            while !got.ends_with(b"{}") {
+                let n = s.read(&mut buf).await.unwrap();
+                got.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            let _ = close_now.await;
+            drop(s);
+            let _ = closed_tx.send(());
+        });
+        // One exchange, read to its end: the connection is idle in the pool.
+        let first = client.request(post(addr)).await.unwrap();
+        let body = first.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok");
+        let key = Key(Scheme::HTTP, Authority::try_from(addr.to_string()).unwrap());
+        let idle = client.0.idle.lock().unwrap().get_mut(&key).unwrap().pop();
+        let idle = idle.expect("pooled");
+        // The server closes it; the request is sent without a fresh check.
+        close.send(()).unwrap();
+        closed.await.unwrap();
+        let sent = client.send_h1(idle.h1, &key, post(addr));
+        match tokio::time::timeout(Duration::from_secs(10), sent).await {
+            Ok(Err(Retry::Again(back))) => assert_eq!(back.uri().path(), "/v1/chat/completions"),
+            Ok(Err(Retry::Failed(e))) => panic!("failed instead of handed back: {e:?}"),
+            Ok(Ok(_)) => panic!("a response from a closed connection"),
+            Err(_) => panic!("the request waited in a finished connection's queue"),
         }
     }
 }
