@@ -14,14 +14,24 @@ use http_body_util::BodyExt;
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
 
 /// How the raw upstream behaves after each response.
 #[derive(Clone, Copy)]
 enum After {
     KeepAlive,
-    /// Close the socket right after the response, without `Connection: close`
+    /// Close the socket, without `Connection: close`, when the test says so
     /// (a server whose idle timeout fired): the proxy must not reuse it.
     Close,
+}
+
+/// A raw upstream, its connections counted; with `After::Close` the test
+/// tells it when to close (`close_now`) and hears when it has (`closed`).
+struct Raw {
+    url: String,
+    conns: Arc<AtomicUsize>,
+    close_now: Arc<Semaphore>,
+    closed: mpsc::UnboundedReceiver<()>,
 }
 
 /// Read one request (head plus `content-length` body); false at EOF.
@@ -48,17 +58,22 @@ async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
 }
 
 /// A raw upstream answering every request with `response` (written with one
-/// `write_all`); returns its URL and the number of connections accepted.
-async fn raw_upstream(response: Vec<u8>, after: After) -> (String, Arc<AtomicUsize>) {
+/// `write_all`).
+async fn raw_upstream(response: Vec<u8>, after: After) -> Raw {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     let conns = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&conns);
     let response = Arc::new(response);
+    let close_now = Arc::new(Semaphore::new(0));
+    let permits = Arc::clone(&close_now);
+    let (closed_tx, closed) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             counted.fetch_add(1, Ordering::SeqCst);
             let response = Arc::clone(&response);
+            let permits = Arc::clone(&permits);
+            let closed_tx = closed_tx.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 while read_request(&mut s, &mut buf).await {
@@ -66,13 +81,22 @@ async fn raw_upstream(response: Vec<u8>, after: After) -> (String, Arc<AtomicUsi
                         return;
                     }
                     if let After::Close = after {
+                        permits.acquire().await.unwrap().forget();
+                        // The FIN leaves with the close, before the signal.
+                        drop(s);
+                        let _ = closed_tx.send(());
                         return;
                     }
                 }
             });
         }
     });
-    (url, conns)
+    Raw {
+        url,
+        conns,
+        close_now,
+        closed,
+    }
 }
 
 const BODY: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
@@ -88,7 +112,7 @@ fn json_response() -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_requests_reuse_one_upstream_connection() {
-    let (url, conns) = raw_upstream(json_response(), After::KeepAlive).await;
+    let Raw { url, conns, .. } = raw_upstream(json_response(), After::KeepAlive).await;
     let px = proxy(&url, &[]).await;
     let client = client_h1();
     for _ in 0..5 {
@@ -105,15 +129,22 @@ async fn sequential_requests_reuse_one_upstream_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_upstream_closed_while_idle_is_not_reused() {
-    let (url, conns) = raw_upstream(json_response(), After::Close).await;
-    let px = proxy(&url, &[]).await;
+    let mut up = raw_upstream(json_response(), After::Close).await;
+    let px = proxy(&up.url, &[]).await;
     let client = client_h1();
     for i in 0..5 {
         let (parts, body) = post_json(&client, &px.url("/v1/chat/completions"), BODY).await;
         assert_eq!(parts.status, 200, "request {i}");
         assert!(body.ends_with(b"\"total_tokens\":10}}"));
+        // The response is through, so the proxy has pooled the connection.
+        // Now the upstream closes it, idle (as after a server's keep-alive
+        // timeout), and the next request comes only after that. (A request
+        // that crosses the close in flight is a race no HTTP/1.1 client can
+        // win for a POST, which must not be sent twice.)
+        up.close_now.add_permits(1);
+        within(30, up.closed.recv()).await.expect("upstream closed");
     }
-    assert_eq!(conns.load(Ordering::SeqCst), 5);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 5);
     px.stop().await;
 }
 
@@ -143,8 +174,8 @@ fn burst() -> (Vec<u8>, Vec<u8>) {
 /// process-wide metrics is its own.
 async fn through_proxy(flags: &[&str], model: &str) -> (Vec<u8>, usize, Vec<u8>, String) {
     let (response, expected) = burst();
-    let (url, _) = raw_upstream(response, After::KeepAlive).await;
-    let px = proxy(&url, flags).await;
+    let up = raw_upstream(response, After::KeepAlive).await;
+    let px = proxy(&up.url, flags).await;
     let client = client_h1();
     let req = Request::post(px.url("/v1/chat/completions"))
         .header("content-type", "application/json")
