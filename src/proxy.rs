@@ -974,18 +974,23 @@ fn usage_injection(
     let wanted = api == Api::OpenAiChat
         && stream
         && state.config.inject_usage
-        && (encoding.is_none() || edited.is_some())
-        && !state
-            .no_stream_options
-            .contains(upstream.authority.as_str());
+        && (encoding.is_none() || edited.is_some());
     if !wanted {
         return None;
     }
-    match edited {
+    let injected = match edited {
         None => crate::inject::inject_include_usage(body, view),
         Some(t) => RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v)),
+    }?;
+    // Asked last: most clients ask for usage themselves (no edit), and the
+    // lookup hashes the authority on every stream.
+    if state
+        .no_stream_options
+        .contains(upstream.authority.as_str())
+    {
+        return None;
     }
-    .map(Bytes::from)
+    Some(Bytes::from(injected))
 }
 
 /// The upstream request: the client's, or its edited body; an injected
