@@ -579,6 +579,25 @@ fn main() {
                 .collect(),
             _ => Vec::new(),
         };
+        // The tap's cost, round by round (the two cells of a round ran back
+        // to back), then the median: less moved by the machine's drift than
+        // the two medians' ratio, printed next to it.
+        let cells = |t: &str| runs.iter().find(|(n, _)| *n == t).map(|(_, c)| c);
+        let tap_paired = cells("tidemark").zip(cells("tap-off")).map(|(on, off)| {
+            let mut lost: Vec<f64> = on
+                .iter()
+                .zip(off)
+                .map(|((a, _), (b, _))| 1.0 - a.rps / b.rps)
+                .collect();
+            let mut cpu: Vec<f64> = on
+                .iter()
+                .zip(off)
+                .filter_map(|((_, a), (_, b))| Some(a.as_ref()? - b.as_ref()?))
+                .collect();
+            lost.sort_by(f64::total_cmp);
+            cpu.sort_by(f64::total_cmp);
+            (lost[lost.len() / 2], cpu.get(cpu.len() / 2).copied(), lost)
+        });
         let results: Vec<(&str, Stats, Option<f64>)> = runs
             .into_iter()
             .map(|(t, mut v)| {
@@ -626,6 +645,16 @@ fn main() {
                 "{:<28} tap on vs off: {:.1}% fewer requests/s",
                 "",
                 (1.0 - on / off) * 100.0
+            );
+        }
+        if let Some((lost, cpu, all)) = &tap_paired {
+            let all: Vec<String> = all.iter().map(|l| format!("{:.1}", l * 100.0)).collect();
+            println!(
+                "{:<28} paired by round: median {:.1}% fewer requests/s, {} us more CPU per request (sorted: {})",
+                "",
+                lost * 100.0,
+                cpu.map_or("-".into(), |c| format!("{:+.1}", c * 1e6)),
+                all.join(" ")
             );
         }
         for (tname, added) in added_ttfb {
