@@ -23,7 +23,11 @@
 //! closed, which is how the upstream learns of the cancel. An idle connection
 //! is checked before reuse (closed by the server, or not ready for another
 //! request: dropped), and a request that a reused connection could not take
-//! is sent again on a fresh one; nothing is ever sent twice.
+//! is sent again on a fresh one; nothing is ever sent twice. A request
+//! already written when the server's close crosses it fails (502
+//! `upstream-reset`): it may have been delivered, and a POST is not repeated.
+//! The server's close must arrive in the instant before the request leaves;
+//! one that came earlier is seen by the check.
 //!
 //! An upstream that offers HTTP/2 by ALPN gets one multiplexed connection
 //! (hyper's own task, as h2 needs) shared by all requests to it.
