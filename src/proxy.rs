@@ -314,12 +314,8 @@ async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
         let silence = tokio::time::Instant::now() + cfg.header_read_timeout;
         let frame = match tokio::time::timeout_at(silence.min(deadline), body.frame()).await {
             Err(_) => return Err(ProxyError::ClientTimeout),
-            Ok(None) => {
-                return Ok(match first {
-                    Some(b) if buf.is_empty() => b,
-                    _ => buf.freeze(),
-                })
-            }
+            // `first` is held only while it is the sole frame.
+            Ok(None) => return Ok(first.unwrap_or_else(|| buf.freeze())),
             Ok(Some(Err(e))) => {
                 return Err(
                     if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -1147,7 +1143,7 @@ async fn forward_unread(
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m.series(p.api().as_str(), None).requests(code);
+            let counter = m.series(api, None).requests(code);
             watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
             Response::from_parts(
                 parts,
