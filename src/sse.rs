@@ -60,7 +60,8 @@ impl SseScanner {
     /// copy, no callback. `relevant_from` is given a run of whole events and
     /// returns the offset of its first byte that may matter (its length when
     /// none does); it must never point past a byte of an event `on_event`
-    /// would act on, and it errs early. One call covers a whole burst of
+    /// would act on, unless a later event of the run replaces all it would
+    /// learn, and it errs early. One call covers a whole burst of
     /// events, so the cost is a few long scans rather than a few per event.
     pub fn feed_skipping(
         &mut self,

@@ -438,7 +438,9 @@ struct KeyIn(&'static [&'static str]);
 impl<'de> serde::de::DeserializeSeed<'de> for KeyIn {
     type Value = Option<&'static str>;
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_str(self)
+        // As bytes: serde_json then skips the UTF-8 check of every key,
+        // which a comparison with ASCII names does not need.
+        d.deserialize_bytes(self)
     }
 }
 
@@ -446,6 +448,9 @@ impl<'de> serde::de::Visitor<'de> for KeyIn {
     type Value = Option<&'static str>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a member name")
+    }
+    fn visit_bytes<E>(self, s: &[u8]) -> Result<Self::Value, E> {
+        Ok(self.0.iter().copied().find(|k| k.as_bytes() == s))
     }
     fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
         Ok(self.0.iter().copied().find(|k| *k == s))

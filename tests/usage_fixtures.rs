@@ -351,11 +351,29 @@ fn reader(api: Api, framing: Framing, enc: Option<&str>) -> UsageReader {
 
 #[test]
 fn malformed_events_count_a_parse_error_and_keep_reading() {
+    let broken = b"data: {\"usage\": {\"prompt_tokens\": 5,\n\n".as_slice();
+    let good = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\n\n".as_slice();
     let mut r = reader(Api::OpenAiChat, Framing::Sse, None);
-    r.feed(b"data: {\"usage\": {\"prompt_tokens\": 5,\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\n\n");
+    r.feed(broken);
+    r.feed(good);
     let o = r.finish();
     assert_eq!(o.parse_errors, 1);
     assert_eq!(o.observed.usage.total_context, Some(9));
+    // Chat usage is cumulative, so of the events that arrived together only
+    // the last one with usage is read: a broken one before it is not.
+    let mut r = reader(Api::OpenAiChat, Framing::Sse, None);
+    r.feed(&[broken, good].concat());
+    let o = r.finish();
+    assert_eq!(
+        (o.parse_errors, o.observed.usage.total_context),
+        (0, Some(9))
+    );
+    // A broken last one is counted, and what came before it in its burst is
+    // not read: the response has no usage, which is loud.
+    let mut r = reader(Api::OpenAiChat, Framing::Sse, None);
+    r.feed(&[good, broken].concat());
+    let o = r.finish();
+    assert_eq!((o.parse_errors, o.observed.usage.total_context), (1, None));
 
     let mut r = reader(Api::Ollama, Framing::Ndjson, None);
     r.feed(b"{\"done\":true,\"eval_count\":\n{\"done\":true,\"prompt_eval_count\":4,\"eval_count\":2}\n");

@@ -180,7 +180,9 @@ pub trait Provider: Send + Sync + 'static {
     /// and all), the offset of the first byte that may matter: every event
     /// that ends before it is skipped unread. Only events
     /// [`may_carry_usage`](Self::may_carry_usage) would say no to, whatever
-    /// their lines hold, may lie before it; when unsure, earlier. The
+    /// their lines hold, may lie before it, and events whose every value
+    /// [`observe`](Self::observe) would take a later event of the run
+    /// replaces (cumulative usage: the last wins); when unsure, earlier. The
     /// default, 0, reads every event.
     fn sse_relevant_from(&self, _raw: &[u8]) -> usize {
         0
@@ -352,6 +354,36 @@ pub(crate) fn first_valued(raw: &[u8], key: &Key) -> usize {
     raw.len()
 }
 
+/// Where the last occurrence of `key` in `raw` that does not read
+/// `key: null` starts; `raw.len()` when every one does. [`first_valued`]'s
+/// rules, searched from the end: for a member that is cumulative (the last
+/// one wins), a burst of events that each carry it is searched only near
+/// its end. (memchr's reverse searcher has no SIMD path and is several
+/// times slower than a forward search over the tail.)
+pub(crate) fn last_valued(raw: &[u8], key: &Key) -> usize {
+    const TAIL: usize = 512;
+    let tail = raw.len().saturating_sub(TAIL);
+    last_valued_in(raw, tail, raw.len(), key)
+        .or_else(|| last_valued_in(raw, 0, tail, key))
+        .unwrap_or(raw.len())
+}
+
+/// The last valued occurrence of `key` that starts in `start..end`.
+fn last_valued_in(raw: &[u8], start: usize, end: usize, key: &Key) -> Option<usize> {
+    let ws = |b: &u8| matches!(b, b' ' | b'\t');
+    let len = key.needle().len();
+    let hay = &raw[start..(end + len - 1).min(raw.len())];
+    let (mut from, mut last) = (0, None);
+    while let Some(i) = key.find(&hay[from..]) {
+        let at = start + from + i;
+        if !member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")) {
+            last = Some(at);
+        }
+        from += i + len;
+    }
+    last
+}
+
 /// Whether a JSON value is set to something (not absent, null, false or "").
 pub(crate) fn truthy(v: Option<&Node>) -> bool {
     match v {
@@ -430,5 +462,39 @@ mod helper_tests {
         // The offset is the first valued one's, across events.
         let run = b"data: {\"usage\":null}\n\ndata: {\"usage\":{}}\n\n";
         assert_eq!(first_valued(run, &USAGE), 29);
+    }
+
+    #[test]
+    fn last_valued_is_the_last_one_not_null() {
+        let last = |raw: &[u8]| last_valued(raw, &USAGE);
+        let run = b"data: {\"usage\":{\"a\":1}}\n\ndata: {\"usage\":{\"a\":2}}\n\ndata: {\"usage\":null}\n\n";
+        assert_eq!(last(run), 32);
+        let none = |raw: &[u8]| last(raw) == raw.len();
+        assert!(none(b"data: {\"usage\":null}\n\n"));
+        assert!(none(b"data: {\"usage\" : null}\n\n"));
+        assert!(none(b"data: {\"choices\":[]}\n\n"));
+        // The same rules as first_valued: a line break counts as a value.
+        assert_eq!(last(b"data: {\"usage\":\ndata: null}\n\n"), 7);
+        // Agrees with first_valued when there is one valued occurrence.
+        let one = b"data: {\"usage\":null}\n\ndata: {\"usage\" : {}}\n\ndata: {\"usage\":null}\n\n";
+        assert_eq!(last(one), first_valued(one, &USAGE));
+        // Far from the end, and at every place around where the search of
+        // the tail begins.
+        let null = b"data: {\"usage\":null}\n\n";
+        for pad in 0..40 {
+            let mut raw = vec![b' '; pad];
+            raw.extend_from_slice(b"data: {\"usage\":{}}\n\n");
+            let at = pad + 7;
+            for _ in 0..30 {
+                raw.extend_from_slice(null);
+            }
+            assert_eq!(last(&raw), at);
+            assert_eq!(last(&raw), first_valued(&raw, &USAGE));
+            // A valued one that starts just before the tail is found too.
+            let mut raw = vec![b' '; 600 - pad];
+            raw.extend_from_slice(b"{\"usage\":1}");
+            raw.extend_from_slice(&vec![b' '; 490]);
+            assert_eq!(last(&raw), 600 - pad + 1);
+        }
     }
 }

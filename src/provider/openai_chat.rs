@@ -2,8 +2,8 @@
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
 use super::{
-    count, first_valued, has_member, openai_error_body, truthy, Api, CountedField, ErrorShape,
-    Node, Observed, Provider, Usage, ERROR, USAGE,
+    count, first_valued, has_member, last_valued, openai_error_body, truthy, Api, CountedField,
+    ErrorShape, Node, Observed, Provider, Usage, ERROR, USAGE,
 };
 use crate::inspect::RequestView;
 
@@ -47,7 +47,11 @@ impl Provider for OpenAiChat {
         has_member(data, &USAGE) || has_member(data, &ERROR)
     }
     fn sse_relevant_from(&self, raw: &[u8]) -> usize {
-        first_valued(raw, &USAGE).min(first_valued(raw, &ERROR))
+        // Usage is cumulative and `observe` keeps the last: of a burst only
+        // the last valued one is read (one search from the end, where a
+        // search from the front restarts at every `"usage":null`). Errors
+        // are read wherever they are.
+        last_valued(raw, &USAGE).min(first_valued(raw, &ERROR))
     }
     fn reads(&self) -> &'static [&'static str] {
         &[
