@@ -665,7 +665,24 @@ async fn api_request(
     }
 
     let series = m.series(api.as_str(), model.as_deref());
-    let estimate = state.estimator.estimate(p, &view, model.as_deref());
+    // A worker thread serves many connections: a cold long history (tens
+    // of milliseconds to tokenize) is estimated on the blocking pool, so
+    // the others' streams do not wait behind it.
+    let estimate =
+        match state
+            .estimator
+            .estimate_bounded(p, &view, model.as_deref(), INLINE_ESTIMATE_BYTES)
+        {
+            Some(e) => e,
+            None => {
+                let elsewhere = estimate_blocking(state, p, decoded.clone(), model.clone());
+                let e = match early.as_mut() {
+                    Some((sending, first, _, _)) => alongside(elsewhere, sending, first).await,
+                    None => elsewhere.await,
+                };
+                e.unwrap_or_else(|| state.estimator.estimate(p, &view, model.as_deref()))
+            }
+        };
     let reset = parts
         .headers
         .get(X_CONTEXT_RESET)
@@ -932,6 +949,29 @@ async fn api_request(
         cfg.idle_timeout,
     );
     Response::from_parts(rparts, body)
+}
+
+/// Uncached bytes a request may have tokenized on a worker thread (about a
+/// millisecond); more goes to the blocking pool.
+const INLINE_ESTIMATE_BYTES: usize = 16 * 1024;
+
+/// The estimate of `body` on tokio's blocking pool; `None` if it failed
+/// there (the caller then estimates in place).
+async fn estimate_blocking(
+    state: &Arc<State>,
+    p: &'static dyn Provider,
+    body: Option<Bytes>,
+    model: Option<String>,
+) -> Option<Estimate> {
+    let state = Arc::clone(state);
+    tokio::task::spawn_blocking(move || {
+        let body = body?;
+        let view = RequestView::parse(&body)?;
+        Some(state.estimator.estimate(p, &view, model.as_deref()))
+    })
+    .await
+    .ok()
+    .flatten()
 }
 
 /// Await `f` while also driving `sending`, keeping its result in `done`

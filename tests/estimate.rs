@@ -6,6 +6,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 use tidemark::estimate::images::{self, Size};
 use tidemark::estimate::{Encoding, Estimate, Estimator};
+use tidemark::inspect::RequestView;
 use tidemark::provider::Api;
 
 fn est(api: Api, body: &Value) -> Estimate {
@@ -555,6 +556,33 @@ fn appending_a_turn_tokenizes_only_that_turn() {
     e.estimate_body(Api::OpenAiChat, b3.as_bytes(), None)
         .unwrap();
     assert_eq!(e.stats().misses - before, 402);
+}
+
+#[test]
+fn a_bounded_estimate_stops_before_a_cold_history_and_agrees_once_warm() {
+    let e = Estimator::new(64 << 20);
+    let p = Api::OpenAiChat.provider();
+    let messages: Vec<Value> = (0..200).map(mixed_message).collect();
+    let body = json!({"model":"gpt-4o","messages":messages}).to_string();
+    let view = RequestView::parse(body.as_bytes()).unwrap();
+    let whole = Estimator::new(64 << 20).estimate(p, &view, Some("gpt-4o"));
+
+    // Cold: it gives up before tokenizing past 16 KiB of it.
+    assert_eq!(e.estimate_bounded(p, &view, Some("gpt-4o"), 16 << 10), None);
+    let tokenized = e.stats().tokenized_bytes;
+    assert!(
+        tokenized <= 16 << 10 && tokenized > 0,
+        "tokenized {tokenized} bytes"
+    );
+    // What it counted is kept; the rest is counted by an unbounded estimate
+    // (on the blocking pool, in the proxy), after which the bounded one
+    // answers in place, with the same figure.
+    assert_eq!(e.estimate(p, &view, Some("gpt-4o")), whole);
+    assert_eq!(
+        e.estimate_bounded(p, &view, Some("gpt-4o"), 16 << 10),
+        Some(whole)
+    );
+    assert_eq!(e.estimate_bounded(p, &view, Some("gpt-4o"), 0), Some(whole));
 }
 
 #[test]

@@ -69,6 +69,34 @@ impl Estimator {
         req: &RequestView<'_>,
         model: Option<&str>,
     ) -> Estimate {
+        let mut unbounded = usize::MAX;
+        self.estimate_within(p, req, model, &mut unbounded)
+            .unwrap_or_default()
+    }
+
+    /// [`Estimator::estimate`], unless the parts not in the cache add up to
+    /// more than `max_uncached` bytes: then `None`, before tokenizing the
+    /// part that goes over (parts counted until then are cached). Warm
+    /// requests, nearly all of them, cost the same; a cold long history is
+    /// left to a thread that may take tens of milliseconds.
+    pub fn estimate_bounded(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        max_uncached: usize,
+    ) -> Option<Estimate> {
+        let mut budget = max_uncached;
+        self.estimate_within(p, req, model, &mut budget)
+    }
+
+    fn estimate_within(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        budget: &mut usize,
+    ) -> Option<Estimate> {
         let api = p.api();
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
@@ -92,13 +120,13 @@ impl Estimator {
             match elements {
                 Some(els) => {
                     for el in els {
-                        sum.add(self.unit(api, enc, model, images, unit, el));
+                        sum.add(self.unit(api, enc, model, images, unit, el, budget)?);
                         n += 1;
                     }
                 }
                 None if json::kind(raw) == b'n' => {}
                 None => {
-                    sum.add(self.unit(api, enc, model, images, unit, raw));
+                    sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
                     n += 1;
                 }
             }
@@ -110,10 +138,10 @@ impl Estimator {
             Api::Gemini => GEMINI_REPLY,
             Api::Ollama => OLLAMA_REPLY,
         };
-        Estimate {
+        Some(Estimate {
             tokens: sum.tokens,
             chars: sum.chars,
-        }
+        })
     }
 
     /// [`Estimator::estimate`] of a raw body; `None` when it is not a JSON object.
@@ -146,7 +174,11 @@ impl Estimator {
         let els = json::split_array(req.raw(field)?.get())?;
         Some(
             els.into_iter()
-                .map(|el| u64::from(self.unit(api, enc, model, images, unit, el).tokens))
+                .map(|el| {
+                    let mut unbounded = usize::MAX;
+                    let c = self.unit(api, enc, model, images, unit, el, &mut unbounded);
+                    c.map_or(0, |c| u64::from(c.tokens))
+                })
                 .collect(),
         )
     }
@@ -168,6 +200,7 @@ impl Estimator {
     }
 
     /// One unit's count, from the cache or counted now.
+    #[allow(clippy::too_many_arguments)] // one call site per field kind
     fn unit(
         &self,
         api: Api,
@@ -176,12 +209,14 @@ impl Estimator {
         image_class: u64,
         unit: Unit,
         raw: &str,
-    ) -> Counted {
+        budget: &mut usize,
+    ) -> Option<Counted> {
         let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
         let key = xxh3_128_with_seed(raw.as_bytes(), seed);
         if let Some(c) = self.cache.get(key) {
-            return c;
+            return Some(c);
         }
+        *budget = budget.checked_sub(raw.len())?;
         let mut cx = Ctx {
             enc,
             api,
@@ -197,7 +232,7 @@ impl Estimator {
             chars: u32::try_from(cx.chars).unwrap_or(u32::MAX),
         };
         self.cache.put(key, c);
-        c
+        Some(c)
     }
 }
 
