@@ -388,10 +388,13 @@ fn main() {
     let up = up_rt.block_on(upstream());
 
     // `--proxy-rt multi2` (default: tokio's multi-thread scheduler, 2
-    // workers, as `#[tokio::main]` gives tidemark on this box), `multi1`, or
-    // `current1` (one thread, tokio's current-thread scheduler): what the
-    // scheduler costs per request.
+    // workers, as `#[tokio::main]` gives it on this box), `multi1`, or
+    // `current1` (one thread, tokio's current-thread scheduler): the runtime
+    // of the bare hyper proxy and of tidemark's accept loop (tidemark serves
+    // connections on worker threads of its own).
     let rt_kind = arg("--proxy-rt");
+    // `--workers N`: tidemark's worker threads (default: one per core).
+    let workers = arg("--workers");
     let current_thread = || {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
@@ -427,6 +430,9 @@ fn main() {
             let (upstream, route) = (format!("http://{up}"), format!("/v1/messages=http://{up}"));
             let mut args = vec!["tidemark", "--upstream", &upstream, "--route", &route];
             args.extend_from_slice(extra);
+            if !workers.is_empty() {
+                args.extend_from_slice(&["--workers", &workers]);
+            }
             let config = tidemark::Config::from_args(args).unwrap();
             tokio::spawn(tidemark::run(l, a, config, std::future::pending()));
             addr
@@ -536,13 +542,14 @@ fn main() {
                 if round == 0 {
                     gen.block_on(load(format!("{base}{path}"), body.clone(), conc, 0.3, ttfb));
                 }
-                // The proxy's own CPU: tidemark's runtime threads (which also
-                // host the bare hyper proxy; one target is loaded at a time) or
-                // nginx's worker processes.
+                // The proxy's own CPU: tidemark's worker threads and the
+                // runtime that accepts for it (which also hosts the bare
+                // hyper proxy; one target is loaded at a time), or nginx's
+                // worker processes.
                 let cpu = || match *tname {
                     "direct" => None,
                     "nginx" => ngx.as_ref().map(|(c, _, _)| cpu_secs("", Some(c.id()))),
-                    _ => Some(cpu_secs("bench-tidemark", None)),
+                    _ => Some(cpu_secs("bench-tidemark", None) + cpu_secs("tidemark-w", None)),
                 };
                 let before = cpu();
                 let s = gen.block_on(load_with(

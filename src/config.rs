@@ -150,6 +150,10 @@ pub struct Flags {
     /// Concurrent client connections; more wait in the accept queue.
     #[arg(long, env = "TIDEMARK_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+    /// Threads serving client connections, each with its own event loop and
+    /// upstream connections; 0: one per CPU core.
+    #[arg(long, env = "TIDEMARK_WORKERS", default_value_t = 0)]
+    pub workers: usize,
     /// Time a client has to send its request headers (slowloris guard).
     #[arg(long, env = "TIDEMARK_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub header_read_timeout: Duration,
@@ -279,6 +283,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     pub max_header_bytes: usize,
     pub max_connections: usize,
+    /// Connection-serving threads (resolved: at least 1).
+    pub workers: usize,
     pub header_read_timeout: Duration,
     pub shutdown_grace: Duration,
     pub state: String,
@@ -405,6 +411,10 @@ impl Flags {
             max_body_bytes: self.max_body_bytes,
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
+            workers: match self.workers {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n,
+            },
             header_read_timeout: self.header_read_timeout,
             shutdown_grace: self.shutdown_grace,
             state: self.state,

@@ -4,8 +4,11 @@
 //! # The life of one request
 //!
 //! 1. **Accept** (`server.rs`): one listener speaks HTTP/1.1 and h2c; a
-//!    semaphore caps connections, hyper's header-read timeout guards against
-//!    slowloris, and a graceful-shutdown watcher drains in-flight streams.
+//!    semaphore caps connections, and each connection is handed, in turn, to
+//!    one of `--workers` threads (one per core), each a single-threaded event
+//!    loop that serves it start to finish with upstream connections of its
+//!    own. hyper's header-read timeout guards against slowloris, and a
+//!    graceful-shutdown watcher per worker drains in-flight streams.
 //! 2. **Route** (`proxy.rs::handle`, the spine): the longest `--route` prefix
 //!    picks the upstream (`config.rs`); `provider::for_path` decides whether the
 //!    path is an API tidemark understands (`provider/`, one file per API).
@@ -17,6 +20,8 @@
 //! 4. **Estimate** (`estimate/`): each message is tokenized once (bpe-openai,
 //!    the model family's encoding) and cached by an xxh3 of its bytes, so a
 //!    new turn costs only its own tokens; images are sized from their headers.
+//!    More than 16 KiB not yet tokenized goes to tokio's blocking pool, so a
+//!    worker's other connections do not wait behind a cold history.
 //! 5. **Session** (`session.rs`, `window.rs`): a session key (header or
 //!    fingerprint), the anchor from the last response, calibration, and the
 //!    projection `anchor.real + (estimate - anchor.estimate) * calibration`.

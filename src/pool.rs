@@ -29,6 +29,10 @@
 //! The server's close must arrive in the instant before the request leaves;
 //! one that came earlier is seen by the check.
 //!
+//! Idle HTTP/1.1 connections are pooled per worker thread
+//! (`server::Worker`): a socket is watched by the event loop of the thread
+//! that opened it, so it is only ever reused there.
+//!
 //! An upstream that offers HTTP/2 by ALPN gets one multiplexed connection
 //! (hyper's own task, as h2 needs) shared by all requests to it.
 
@@ -76,9 +80,14 @@ struct Idle {
     since: Instant,
 }
 
+type IdlePool = Mutex<HashMap<Key, Vec<Idle>>>;
+
 struct Shared {
     connector: TimedConnector,
-    idle: Mutex<HashMap<Key, Vec<Idle>>>,
+    /// Idle connections, one pool per worker thread (`server::Worker`): a
+    /// socket is watched by the event loop of the thread that opened it, so
+    /// one used from another thread would cross threads on every read.
+    idle: Box<[IdlePool]>,
     h2: Mutex<HashMap<Key, http2::SendRequest<UpBody>>>,
     max_idle_per_host: usize,
     idle_timeout: Duration,
@@ -96,14 +105,18 @@ struct Driven {
 }
 
 impl Client {
+    /// `workers`: how many worker threads keep pools of their own.
     pub fn new(
         connector: TimedConnector,
+        workers: usize,
         max_idle_per_host: usize,
         idle_timeout: Duration,
     ) -> Self {
         Client(Arc::new(Shared {
             connector,
-            idle: Mutex::new(HashMap::new()),
+            idle: (0..workers.max(1))
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
             h2: Mutex::new(HashMap::new()),
             max_idle_per_host,
             idle_timeout,
@@ -195,7 +208,7 @@ impl Client {
     async fn checkout(&self, key: &Key) -> Option<Idle> {
         loop {
             let mut idle = {
-                let mut map = self.0.idle.lock().unwrap();
+                let mut map = self.0.idle().lock().unwrap();
                 let list = map.get_mut(key)?;
                 let idle = list.pop()?;
                 if list.is_empty() {
@@ -326,12 +339,27 @@ async fn send_h2(
     }
 }
 
+thread_local! {
+    /// The worker thread this is, if it is one.
+    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Called once by each worker thread as it starts: its pool is `index`.
+pub fn set_worker(index: usize) {
+    WORKER.with(|w| w.set(index));
+}
+
 impl Shared {
+    /// This thread's idle connections (other threads share the first pool).
+    fn idle(&self) -> &IdlePool {
+        &self.idle[WORKER.with(|w| w.get()) % self.idle.len()]
+    }
+
     fn put(&self, d: Driven) {
         if d.h1.send.is_closed() {
             return;
         }
-        let mut map = self.idle.lock().unwrap();
+        let mut map = self.idle().lock().unwrap();
         let list = map.entry(d.key).or_default();
         let now = Instant::now();
         list.retain(|i| now.duration_since(i.since) <= self.idle_timeout);
@@ -589,7 +617,7 @@ mod tests {
         let body = first.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"ok");
         let key = Key(Scheme::HTTP, Authority::try_from(addr.to_string()).unwrap());
-        let idle = client.0.idle.lock().unwrap().get_mut(&key).unwrap().pop();
+        let idle = client.0.idle().lock().unwrap().get_mut(&key).unwrap().pop();
         let idle = idle.expect("pooled");
         // The server closes it; the request is sent without a fresh check.
         close.send(()).unwrap();

@@ -180,7 +180,12 @@ pub fn client(config: &Config) -> Result<Client, String> {
         inner: https,
         timeout: config.connect_timeout,
     };
-    Ok(Client::new(connector, 256, Duration::from_secs(90)))
+    Ok(Client::new(
+        connector,
+        config.workers,
+        256,
+        Duration::from_secs(90),
+    ))
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1 and the classic RFC 2616 list).

@@ -1,6 +1,6 @@
 //! tidemark's own upstream client (src/pool.rs), against a raw TCP upstream
 //! that counts its connections and chooses exactly how bytes hit the wire:
-//! keep-alive reuse, an idle connection the upstream closed, and a burst of
+//! keep-alive reuse (per worker thread), an idle connection the upstream closed, and a burst of
 //! events written at once leaving the proxy together, byte for byte.
 
 mod support;
@@ -124,6 +124,25 @@ async fn sequential_requests_reuse_one_upstream_connection() {
     let (parts, _) = post_json(&client, &px.url("/v1/other"), BODY).await;
     assert_eq!(parts.status, 200);
     assert_eq!(conns.load(Ordering::SeqCst), 1, "one keep-alive connection");
+    px.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_worker_thread_reuses_upstream_connections_of_its_own() {
+    let Raw { url, conns, .. } = raw_upstream(json_response(), After::KeepAlive).await;
+    let px = proxy(&url, &["--workers", "2"]).await;
+    // Two client connections: handed to the two workers in turn.
+    let clients = [client_h1(), client_h1()];
+    for round in 0..3 {
+        for c in &clients {
+            let (parts, _) = post_json(c, &px.url("/v1/chat/completions"), BODY).await;
+            assert_eq!(parts.status, 200, "round {round}");
+        }
+    }
+    // A socket is watched by the event loop of the thread that opened it,
+    // so each worker pools its own: one upstream connection each, each
+    // reused. (One shared pool would have lent the first to both.)
+    assert_eq!(conns.load(Ordering::SeqCst), 2);
     px.stop().await;
 }
 
