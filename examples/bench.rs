@@ -2,7 +2,7 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--session-per-conn]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--session-per-conn] [--workers N]
 //!
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
@@ -10,10 +10,12 @@
 //! rows, so the tap's cost is measured in the same run. `proxy us/req` is
 //! the proxy's own CPU time per request (its threads or nginx's worker
 //! processes, from /proc): steadier than requests/s on a shared machine.
-//! `--repeat N` takes N rounds, targets in turn, and reports medians.
+//! `--repeat N` takes N rounds, targets in turn, and reports medians. The
+//! last section (`--scenario beside`) runs slow streams beside cold 2 MB
+//! histories and reports the streams' time to first byte.
 //!
-//! The upstream, tidemark and the load generator each get their own tokio
-//! runtime; nginx (Debian package, `proxy_buffering off`) runs as its own
+//! The upstream, tidemark (its `--workers` threads, and a runtime for its
+//! accept loop) and the load generator each get their own threads; nginx (Debian package, `proxy_buffering off`) runs as its own
 //! process when `nginx` is on PATH, and is skipped with a note otherwise.
 
 /// The allocator the binary ships with (src/main.rs).
@@ -670,6 +672,57 @@ fn main() {
                 "",
                 tname,
                 added * 1e3
+            );
+        }
+    }
+    // Slow streams sharing the proxy with cold 2 MB histories: their time
+    // to first byte is what a connection pays for its neighbours' estimates
+    // from scratch (a worker thread serves many connections; a cold history
+    // is estimated on the blocking pool). This history tokenizes from
+    // scratch in about 40 ms on the README's machine.
+    let beside = "slow streams beside cold 2 MB";
+    if beside.contains(scenario.as_str()) {
+        let huge = Bytes::from(history_body(2 << 20));
+        let mut cells: Vec<(&str, Vec<Stats>)> = Vec::new();
+        for _ in 0..repeat {
+            for (tname, base) in &targets {
+                if !matches!(*tname, "direct" | "nginx" | "tidemark") {
+                    continue;
+                }
+                let slow = load(
+                    format!("{base}/v1/slow/chat/completions"),
+                    stream.clone(),
+                    4,
+                    secs,
+                    true,
+                );
+                let cold = load_with(
+                    format!("{base}/v1/think/chat/completions"),
+                    huge.clone(),
+                    2,
+                    secs,
+                    true,
+                    true,
+                );
+                let (s, _) = gen.block_on(async { tokio::join!(slow, cold) });
+                match cells.iter_mut().find(|(t, _)| t == tname) {
+                    Some((_, v)) => v.push(s),
+                    None => cells.push((*tname, vec![s])),
+                }
+            }
+        }
+        for (tname, mut v) in cells {
+            let mid = v.len() / 2;
+            v.sort_by_key(|s| s.p50);
+            let p50 = v[mid].p50;
+            v.sort_by_key(|s| s.p99);
+            let p99 = v[mid].p99;
+            println!(
+                "{:<28} {:<9} slow-stream TTFB p50 {:.3} ms, p99 {:.3} ms (medians over rounds)",
+                beside,
+                tname,
+                p50.as_secs_f64() * 1e3,
+                p99.as_secs_f64() * 1e3
             );
         }
     }

@@ -78,7 +78,7 @@ impl Estimator {
     /// more than `max_uncached` bytes: then `None`, before tokenizing the
     /// part that goes over (parts counted until then are cached). Warm
     /// requests, nearly all of them, cost the same; a cold long history is
-    /// left to a thread that may take tens of milliseconds.
+    /// left to a thread that may take milliseconds.
     pub fn estimate_bounded(
         &self,
         p: &dyn Provider,
