@@ -133,9 +133,11 @@ pub async fn run(
     tracing::info!("shutting down: draining in-flight requests");
     // Each worker stops when its queue closes, drains its connections for
     // up to the grace period, then ends.
+    // Every queue closes first, so the workers drain at the same time.
+    let draining: Vec<_> = workers.into_iter().map(Worker::stop).collect();
     let mut over = false;
-    for w in workers {
-        over |= w.stop().await;
+    for done in draining {
+        over |= done.await.unwrap_or(false);
     }
     if over {
         tracing::warn!("shutdown grace period over; closed the remaining connections");
@@ -203,11 +205,12 @@ impl Worker {
         let _ = self.queue.send((stream, permit));
     }
 
-    /// Close the queue and wait for the worker to drain; true when the
-    /// grace period ran out first.
-    async fn stop(self) -> bool {
+    /// Close the queue; the worker then drains its connections. What is
+    /// returned resolves when it has, to true when the grace period ran
+    /// out first.
+    fn stop(self) -> tokio::sync::oneshot::Receiver<bool> {
         drop(self.queue);
-        self.done.await.unwrap_or(false)
+        self.done
     }
 }
 

@@ -957,6 +957,89 @@ async fn graceful_shutdown_drains_an_in_flight_stream_and_refuses_new_connection
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_worker_starts_draining_at_the_signal() {
+    // The first connection (worker 0) holds a stream that does not end; the
+    // second (worker 1) is idle after one request. At the signal both
+    // workers drain at once: the idle one is closed while the stream is
+    // still open, not after it ends.
+    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
+    let up = faulty::start(faulty::handler(move |req| {
+        if req.uri().path().ends_with("/idle") {
+            return Response::new(faulty::full("ok"));
+        }
+        let (tx, body) = faulty::channel();
+        let _ = senders_tx.send(tx);
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(body)
+            .unwrap()
+    }))
+    .await;
+    let config =
+        tidemark::Config::from_args(["tidemark", "--upstream", &up.url(), "--workers", "2"])
+            .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let run = tokio::spawn(tidemark::run(listener, admin, config, async {
+        let _ = stop_rx.await;
+    }));
+
+    let client = client_h1();
+    let req = Request::post(format!("http://{addr}{CHAT}"))
+        .header("content-type", "application/json")
+        .body(full(chat_body(true)))
+        .unwrap();
+    let resp = within(10, client.request(req)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
+    let first = Bytes::from_static(b"data: {\"n\":1}\n\n");
+    tx.send(Ok(first.clone())).await.unwrap();
+    let mut body = resp.into_body();
+    let got = within(10, body.frame()).await.unwrap().unwrap();
+    assert_eq!(got.into_data().unwrap(), first);
+
+    let mut idle = within(10, TcpStream::connect(addr)).await.unwrap();
+    idle.write_all(b"GET /v1/idle HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = within(10, idle.read(&mut buf)).await.unwrap();
+    assert!(
+        buf[..n].starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+
+    stop_tx.send(()).unwrap();
+    // The idle connection is closed (EOF) while the stream is held open.
+    let closed = within(10, async {
+        loop {
+            match idle.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    let () = closed;
+    assert!(!run.is_finished(), "the stream still holds the shutdown");
+
+    // The stream ends; then run returns.
+    let last = Bytes::from_static(b"data: [DONE]\n\n");
+    tx.send(Ok(last.clone())).await.unwrap();
+    drop(tx);
+    let (rest, errored) = drain(body).await;
+    assert!(!errored);
+    assert_eq!(rest, last.to_vec());
+    within(15, run)
+        .await
+        .unwrap()
+        .expect("run returns after draining");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_trickling_its_body_gets_408_and_nothing_is_forwarded() {
     let up = support::upstream(support::handler(|_r| ok_json())).await;
     let px = support::proxy(&up.url(), &["--header-read-timeout", "1s"]).await;
