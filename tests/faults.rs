@@ -882,10 +882,26 @@ async fn headers_over_the_limit_are_431_and_counted() {
 // Graceful shutdown
 // ---------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_shutdown_drains_an_in_flight_stream_and_refuses_new_connections() {
+/// A proxy (`run`, started with `flags`) holding one SSE stream open: its
+/// first chunk has reached the client; the rest is sent through `tx`.
+/// The upstream answers paths ending in `/idle` with a small body.
+struct HeldStream {
+    addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    run: tokio::task::JoinHandle<Result<(), tidemark::server::StartError>>,
+    tx: mpsc::Sender<Result<Bytes, faulty::BoxError>>,
+    body: hyper::body::Incoming,
+    _up: faulty::Faulty,
+}
+
+const FIRST: &[u8] = b"data: {\"n\":1}\n\n";
+
+async fn proxy_holding_a_stream(flags: &[&str]) -> HeldStream {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |_req| {
+    let up = faulty::start(faulty::handler(move |req| {
+        if req.uri().path().ends_with("/idle") {
+            return Response::new(faulty::full("ok"));
+        }
         let (tx, body) = faulty::channel();
         let _ = senders_tx.send(tx);
         Response::builder()
@@ -894,11 +910,14 @@ async fn graceful_shutdown_drains_an_in_flight_stream_and_refuses_new_connection
             .unwrap()
     }))
     .await;
-    let config = tidemark::Config::from_args(["tidemark", "--upstream", &up.url()]).unwrap();
+    let url = up.url();
+    let mut args = vec!["tidemark", "--upstream", &url];
+    args.extend_from_slice(flags);
+    let config = tidemark::Config::from_args(args).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let (stop, stop_rx) = oneshot::channel::<()>();
     let run = tokio::spawn(tidemark::run(listener, admin, config, async {
         let _ = stop_rx.await;
     }));
@@ -911,15 +930,29 @@ async fn graceful_shutdown_drains_an_in_flight_stream_and_refuses_new_connection
     let resp = within(10, client.request(req)).await.unwrap();
     assert_eq!(resp.status(), 200);
     let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
+    tx.send(Ok(Bytes::from_static(FIRST))).await.unwrap();
+    let mut body = resp.into_body();
+    let first = within(10, body.frame()).await.unwrap().unwrap();
+    assert_eq!(first.into_data().unwrap(), FIRST);
+    HeldStream {
+        addr,
+        stop,
+        run,
+        tx,
+        body,
+        _up: up,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_drains_an_in_flight_stream_and_refuses_new_connections() {
+    let held = proxy_holding_a_stream(&[]).await;
+    let (addr, stop_tx, run, tx, body) = (held.addr, held.stop, held.run, held.tx, held.body);
     let parts = [
-        Bytes::from_static(b"data: {\"n\":1}\n\n"),
+        Bytes::from_static(FIRST),
         Bytes::from_static(b"data: {\"n\":2}\n\n"),
         Bytes::from_static(b"data: [DONE]\n\n"),
     ];
-    tx.send(Ok(parts[0].clone())).await.unwrap();
-    let mut body = resp.into_body();
-    let first = within(10, body.frame()).await.unwrap().unwrap();
-    assert_eq!(first.into_data().unwrap(), parts[0]);
 
     // Shut down while the stream is open.
     stop_tx.send(()).unwrap();
@@ -962,43 +995,8 @@ async fn every_worker_starts_draining_at_the_signal() {
     // second (worker 1) is idle after one request. At the signal both
     // workers drain at once: the idle one is closed while the stream is
     // still open, not after it ends.
-    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |req| {
-        if req.uri().path().ends_with("/idle") {
-            return Response::new(faulty::full("ok"));
-        }
-        let (tx, body) = faulty::channel();
-        let _ = senders_tx.send(tx);
-        Response::builder()
-            .header("content-type", "text/event-stream")
-            .body(body)
-            .unwrap()
-    }))
-    .await;
-    let config =
-        tidemark::Config::from_args(["tidemark", "--upstream", &up.url(), "--workers", "2"])
-            .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let run = tokio::spawn(tidemark::run(listener, admin, config, async {
-        let _ = stop_rx.await;
-    }));
-
-    let client = client_h1();
-    let req = Request::post(format!("http://{addr}{CHAT}"))
-        .header("content-type", "application/json")
-        .body(full(chat_body(true)))
-        .unwrap();
-    let resp = within(10, client.request(req)).await.unwrap();
-    assert_eq!(resp.status(), 200);
-    let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
-    let first = Bytes::from_static(b"data: {\"n\":1}\n\n");
-    tx.send(Ok(first.clone())).await.unwrap();
-    let mut body = resp.into_body();
-    let got = within(10, body.frame()).await.unwrap().unwrap();
-    assert_eq!(got.into_data().unwrap(), first);
+    let held = proxy_holding_a_stream(&["--workers", "2"]).await;
+    let (addr, stop_tx, run, tx, body) = (held.addr, held.stop, held.run, held.tx, held.body);
 
     let mut idle = within(10, TcpStream::connect(addr)).await.unwrap();
     idle.write_all(b"GET /v1/idle HTTP/1.1\r\nhost: x\r\n\r\n")
