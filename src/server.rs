@@ -87,10 +87,11 @@ pub async fn run(
     let limit = Arc::new(Semaphore::new(state.config.max_connections));
     tokio::pin!(shutdown);
 
-    let workers = (0..state.config.workers.max(1))
-        .map(|i| Worker::start(i, Arc::clone(&state), builder.clone(), grace))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(StartError::Io)?;
+    let mut workers = Vec::new();
+    for i in 0..state.config.workers.max(1) {
+        let w = Worker::start(i, Arc::clone(&state), builder.clone(), grace).await;
+        workers.push(w.map_err(StartError::Io)?);
+    }
     let mut next = 0;
     loop {
         let permit = match Arc::clone(&limit).try_acquire_owned() {
@@ -169,7 +170,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn start(
+    async fn start(
         index: usize,
         state: Arc<State>,
         builder: auto::Builder<TokioExecutor>,
@@ -177,12 +178,23 @@ impl Worker {
     ) -> std::io::Result<Worker> {
         let (queue, mut incoming) = tokio::sync::mpsc::unbounded_channel();
         let (done_tx, done) = tokio::sync::oneshot::channel();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
+        let (ready_tx, ready) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name(format!("tidemark-w{index}"))
             .spawn(move || {
+                // Made here, and dropped here: a runtime may not be dropped
+                // inside another's async context.
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready_tx.send(Ok(()));
                 crate::pool::set_worker(index);
                 let over = rt.block_on(async move {
                     let graceful = GracefulShutdown::new();
@@ -198,6 +210,9 @@ impl Worker {
                 drop(rt);
                 let _ = done_tx.send(over);
             })?;
+        ready
+            .await
+            .unwrap_or_else(|_| Err(std::io::Error::other("worker thread ended at start")))?;
         Ok(Worker { queue, done })
     }
 
