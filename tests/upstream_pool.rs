@@ -113,7 +113,9 @@ fn json_response() -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequential_requests_reuse_one_upstream_connection() {
     let Raw { url, conns, .. } = raw_upstream(json_response(), After::KeepAlive).await;
-    let px = proxy(&url, &[]).await;
+    // One worker: the client may open a second connection (its pool races
+    // the next request), which another worker would serve from its own pool.
+    let px = proxy(&url, &["--workers", "1"]).await;
     let client = client_h1();
     for _ in 0..5 {
         let (parts, body) = post_json(&client, &px.url("/v1/chat/completions"), BODY).await;
@@ -149,7 +151,8 @@ async fn each_worker_thread_reuses_upstream_connections_of_its_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_the_upstream_closed_while_idle_is_not_reused() {
     let mut up = raw_upstream(json_response(), After::Close).await;
-    let px = proxy(&up.url, &[]).await;
+    // One worker, so every request meets the pooled connection it closed.
+    let px = proxy(&up.url, &["--workers", "1"]).await;
     let client = client_h1();
     for i in 0..5 {
         let (parts, body) = post_json(&client, &px.url("/v1/chat/completions"), BODY).await;
