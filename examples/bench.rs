@@ -520,7 +520,7 @@ fn main() {
             true,
         ),
     ];
-    println!("tidemark bench: {secs}s per cell (median of {repeat}), upstream/proxy/load each on its own 2-thread runtime, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!("tidemark bench: {secs}s per cell (median of {repeat}), upstream and load on 2-thread runtimes of their own, tidemark on its --workers threads, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     println!(
         "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}",
         "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx", "proxy us/req"
