@@ -132,9 +132,8 @@ pub async fn run(
 
     drop(listener);
     tracing::info!("shutting down: draining in-flight requests");
-    // Each worker stops when its queue closes, drains its connections for
-    // up to the grace period, then ends.
-    // Every queue closes first, so the workers drain at the same time.
+    // Every worker's queue closes first; then each drains its connections
+    // for up to the grace period, all at the same time.
     let draining: Vec<_> = workers.into_iter().map(Worker::stop).collect();
     let mut over = false;
     for done in draining {

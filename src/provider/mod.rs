@@ -339,19 +339,7 @@ fn member_value(rest: &[u8], ws: impl Fn(&u8) -> bool) -> Option<&[u8]> {
 /// followed by anything else, a line break into another `data:` line
 /// included, counts as a value.
 pub(crate) fn first_valued(raw: &[u8], key: &Key) -> usize {
-    let ws = |b: &u8| matches!(b, b' ' | b'\t');
-    let len = key.needle().len();
-    // `find` in a loop, not `find_iter`: the iterator clones the searcher,
-    // which costs more than the search on a 200-byte event.
-    let mut from = 0;
-    while let Some(i) = key.find(&raw[from..]) {
-        let at = from + i;
-        if !member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")) {
-            return at;
-        }
-        from = at + len;
-    }
-    raw.len()
+    valued(raw, key, 0, raw.len()).next().unwrap_or(raw.len())
 }
 
 /// Where the last occurrence of `key` in `raw` that does not read
@@ -363,25 +351,36 @@ pub(crate) fn first_valued(raw: &[u8], key: &Key) -> usize {
 pub(crate) fn last_valued(raw: &[u8], key: &Key) -> usize {
     const TAIL: usize = 512;
     let tail = raw.len().saturating_sub(TAIL);
-    last_valued_in(raw, tail, raw.len(), key)
-        .or_else(|| last_valued_in(raw, 0, tail, key))
+    valued(raw, key, tail, raw.len())
+        .last()
+        .or_else(|| valued(raw, key, 0, tail).last())
         .unwrap_or(raw.len())
 }
 
-/// The last valued occurrence of `key` that starts in `start..end`.
-fn last_valued_in(raw: &[u8], start: usize, end: usize, key: &Key) -> Option<usize> {
+/// The occurrences of `key` that start in `start..end` and do not read
+/// `key: null` in `raw` ([`first_valued`]'s rules), in order.
+fn valued<'r>(
+    raw: &'r [u8],
+    key: &'r Key,
+    start: usize,
+    end: usize,
+) -> impl Iterator<Item = usize> + 'r {
     let ws = |b: &u8| matches!(b, b' ' | b'\t');
     let len = key.needle().len();
     let hay = &raw[start..(end + len - 1).min(raw.len())];
-    let (mut from, mut last) = (0, None);
-    while let Some(i) = key.find(&hay[from..]) {
-        let at = start + from + i;
-        if !member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")) {
-            last = Some(at);
+    // `find` in a loop, not `find_iter`: the iterator clones the searcher,
+    // which costs more than the search on a 200-byte event.
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        while let Some(i) = key.find(&hay[from..]) {
+            let at = start + from + i;
+            from += i + len;
+            if !member_value(&raw[at + len..], ws).is_some_and(|v| v.starts_with(b"null")) {
+                return Some(at);
+            }
         }
-        from += i + len;
-    }
-    last
+        None
+    })
 }
 
 /// Whether a JSON value is set to something (not absent, null, false or "").
