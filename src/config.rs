@@ -203,6 +203,8 @@ pub struct Upstream {
     pub authority: http::uri::Authority,
     /// Path prefix without a trailing slash (`/api` for `https://openrouter.ai/api`), or empty.
     pub prefix: String,
+    /// The `Host` header for HTTP/1.1, made once rather than per request.
+    pub host: http::HeaderValue,
 }
 
 impl Upstream {
@@ -225,15 +227,14 @@ impl Upstream {
             return Err(format!("upstream `{s}` must not carry a query"));
         }
         let prefix = uri.path().trim_end_matches('/').to_string();
+        let host = crate::upstream::host_value(&authority)
+            .ok_or_else(|| format!("upstream `{s}`: its host is not a valid header value"))?;
         Ok(Upstream {
             scheme,
             authority,
             prefix,
+            host,
         })
-    }
-    /// `Host` header value for this upstream.
-    pub fn host(&self) -> &str {
-        self.authority.as_str()
     }
 }
 

@@ -31,7 +31,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Fields<'a> {
                 mut m: M,
             ) -> Result<Fields<'a>, M::Error> {
                 let mut v = Vec::with_capacity(16);
-                while let Some(k) = m.next_key::<Cow<'de, str>>()? {
+                while let Some(Key(k)) = m.next_key::<Key<'de>>()? {
                     let raw: &'de RawValue = m.next_value()?;
                     v.push((k, raw));
                 }
@@ -39,6 +39,29 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Fields<'a> {
             }
         }
         d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+/// A member name, borrowed from the body unless it has escapes (serde's own
+/// `Cow<str>` always copies).
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(V)
     }
 }
 
@@ -74,7 +97,7 @@ impl<'a> RequestView<'a> {
     /// A string member, borrowed when it has no escapes.
     pub fn str(&self, name: &str) -> Option<Cow<'a, str>> {
         let raw = self.raw(name)?;
-        serde_json::from_str::<Cow<'a, str>>(raw.get()).ok()
+        serde_json::from_str::<Key<'a>>(raw.get()).ok().map(|k| k.0)
     }
 
     /// The elements of an array member as raw slices.
@@ -116,6 +139,19 @@ mod tests {
         assert_eq!(&body[r], msgs[1].get().as_bytes());
         let keys: Vec<_> = v.fields().map(|(k, _)| k.to_string()).collect();
         assert_eq!(keys, ["model", "messages", "stream"]);
+    }
+
+    #[test]
+    fn names_and_strings_are_borrowed_unless_escaped() {
+        let body = br#"{"mo\u0064el":"gpt-\u0034o","user":"plain"}"#;
+        let v = RequestView::parse(body).unwrap();
+        let keys: Vec<_> = v.fields().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(keys, ["model", "user"]);
+        assert!(matches!(v.fields[0].0, Cow::Owned(_)));
+        assert!(matches!(v.fields[1].0, Cow::Borrowed(_)));
+        assert_eq!(v.str("model").as_deref(), Some("gpt-4o"));
+        assert!(matches!(v.str("user"), Some(Cow::Borrowed("plain"))));
+        assert!(v.str("nothing").is_none());
     }
 
     #[test]

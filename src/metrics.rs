@@ -358,7 +358,7 @@ impl Metrics {
     /// fewer than [`MAX_MODEL_LABELS`] distinct values have been seen, else `other`.
     pub fn model_label(&self, model: Option<&str>) -> String {
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
-        slot(&mut models, model).0
+        slot(&mut models, model).0.to_string()
     }
 
     /// The series of one (api, model) pair, the model capped as
@@ -371,7 +371,7 @@ impl Metrics {
         if let Some(s) = per_api.iter().find(|s| s.api == api) {
             return Arc::clone(s);
         }
-        let s = Arc::new(Series::new(api, label));
+        let s = Arc::new(Series::new(api, label.to_string()));
         per_api.push(Arc::clone(&s));
         s
     }
@@ -387,10 +387,10 @@ impl Metrics {
 /// The label a client-supplied model name gets, and that label's series.
 /// "unknown" (no model named) takes a slot like any other value, so the
 /// label never holds more than MAX_MODEL_LABELS values plus "other".
-fn slot<'m>(
+fn slot<'m, 'n>(
     models: &'m mut HashMap<String, Vec<Arc<Series>>>,
-    model: Option<&str>,
-) -> (String, &'m mut Vec<Arc<Series>>) {
+    model: Option<&'n str>,
+) -> (&'n str, &'m mut Vec<Arc<Series>>) {
     let name = model.unwrap_or("unknown");
     let name = match name.char_indices().nth(100) {
         Some((i, _)) => &name[..i],
@@ -401,10 +401,11 @@ fn slot<'m>(
     } else {
         "other"
     };
-    (
-        label.to_string(),
-        models.entry(label.to_string()).or_default(),
-    )
+    // A label seen before (nearly every request) allocates nothing.
+    if !models.contains_key(label) {
+        models.insert(label.to_string(), Vec::new());
+    }
+    (label, models.get_mut(label).expect("inserted above"))
 }
 
 /// The process-wide metrics.

@@ -238,17 +238,17 @@ pub async fn handle(
 ) -> Result<Response<ObservedBody>, Infallible> {
     let start = Instant::now();
     // route: which upstream, and is this an API tidemark understands?
-    let path = req.uri().path().to_string();
-    let upstream = state.config.upstream_for(&path).clone();
+    let path = req.uri().path();
+    let upstream = state.config.upstream_for(path);
     let api = if req.method() == http::Method::POST {
-        provider::for_path(&path)
+        provider::for_path(path)
     } else {
         None
     };
     let Some(p) = api else {
-        return Ok(passthrough(&state, req, &upstream, start).await);
+        return Ok(passthrough(&state, req, upstream, start).await);
     };
-    Ok(api_request(&state, req, p, &upstream, &path, start).await)
+    Ok(api_request(&state, req, p, upstream, start).await)
 }
 
 /// A request tidemark does not read: its body streams through.
@@ -309,10 +309,27 @@ async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
     let mut body = Limited::new(body, cfg.max_body_bytes);
     let mut first: Option<Bytes> = None;
     let mut buf = bytes::BytesMut::new();
-    let deadline = tokio::time::Instant::now() + cfg.upstream_timeout;
+    // Set at the first wait (frames ready until then took no time to speak of).
+    let mut deadline = None;
     loop {
-        let silence = tokio::time::Instant::now() + cfg.header_read_timeout;
-        let frame = match tokio::time::timeout_at(silence.min(deadline), body.frame()).await {
+        // A frame already here (a small body comes with its headers) is
+        // taken without reading the clock or making a timer.
+        let mut next = body.frame();
+        let ready = std::future::poll_fn(|cx| match Pin::new(&mut next).poll(cx) {
+            Poll::Ready(f) => Poll::Ready(Some(f)),
+            Poll::Pending => Poll::Ready(None),
+        })
+        .await;
+        let waited = match ready {
+            Some(f) => Ok(f),
+            None => {
+                let now = tokio::time::Instant::now();
+                let deadline = *deadline.get_or_insert(now + cfg.upstream_timeout);
+                let silence = now + cfg.header_read_timeout;
+                tokio::time::timeout_at(silence.min(deadline), next).await
+            }
+        };
+        let frame = match waited {
             Err(_) => return Err(ProxyError::ClientTimeout),
             // `first` is held only while it is the sole frame.
             Ok(None) => return Ok(first.unwrap_or_else(|| buf.freeze())),
@@ -380,7 +397,8 @@ fn build_upstream_request(
         .ok()?;
     let mut headers = parts.headers.clone();
     upstream::strip_hop_by_hop(&mut headers);
-    headers.remove(http::header::HOST);
+    // The upstream's own `Host` (an HTTP/2 upstream gets `:authority`).
+    headers.insert(http::header::HOST, upstream.host.clone());
     headers.remove(X_CONTEXT_RESET);
     if edited {
         // The body changed length; the client sets it from the new body.
@@ -433,15 +451,15 @@ fn decode_request(encoding: Option<&str>, body: &Bytes, cap: usize) -> Option<By
 fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
     let cred = ["authorization", "x-api-key", "x-goog-api-key", "api-key"]
         .iter()
-        .find_map(|h| headers.get(*h).map(|v| v.as_bytes().to_vec()))
+        .find_map(|h| headers.get(*h).map(HeaderValue::as_bytes))
         .or_else(|| {
             query.and_then(|q| {
                 q.split('&')
-                    .find_map(|kv| kv.strip_prefix("key=").map(|v| v.as_bytes().to_vec()))
+                    .find_map(|kv| kv.strip_prefix("key=").map(str::as_bytes))
             })
         });
     match cred {
-        Some(c) if !c.is_empty() => crate::session::hex(&Sha256::digest(&c)[..4]),
+        Some(c) if !c.is_empty() => crate::session::hex(&Sha256::digest(c)[..4]),
         _ => "none".to_string(),
     }
 }
@@ -509,7 +527,7 @@ fn session_key(
     }
     let mut key = String::with_capacity(19);
     key.push_str("fp:");
-    key.push_str(&crate::session::hex(&h.finalize()[..8]));
+    crate::session::push_hex(&mut key, &h.finalize()[..8]);
     Some(key)
 }
 
@@ -561,7 +579,8 @@ fn add_policy_headers(h: &mut HeaderMap, ins: &Inspected, warn_at: f64) {
 }
 
 fn add_projection_headers(h: &mut HeaderMap, proj: &Projection, warn_at: f64) {
-    if let Ok(v) = HeaderValue::from_str(&proj.header_value()) {
+    // The header's text becomes its value without another copy.
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(proj.header_value())) {
         h.insert(X_CONTEXT_PROJECTION, v);
     }
     if let Some(u) = proj.util() {
@@ -579,13 +598,13 @@ async fn api_request(
     req: Request<Incoming>,
     p: &'static dyn Provider,
     upstream: &Upstream,
-    path: &str,
     start: Instant,
 ) -> Response<ObservedBody> {
     let m = metrics::get();
     let api = p.api();
     let cfg = &state.config;
     let (parts, body) = req.into_parts();
+    let path = parts.uri.path();
 
     // inspect: read the body whole, capped.
     let too_large = parts
@@ -690,7 +709,11 @@ async fn api_request(
     let window = model
         .as_deref()
         .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
-    let cut_key = key.as_ref().map(|k| format!("{credential}\u{0}{k}"));
+    // Only a trim reads or remembers cuts.
+    let cut_key = match cfg.on_over {
+        OnOver::Trim => key.as_ref().map(|k| format!("{credential}\u{0}{k}")),
+        _ => None,
+    };
     // --state redis: one round trip for the session's record, order, spend
     // and the model's calibration. Memory: nothing to wait for.
     let (mut shared, mut local_state, mut fetched) = (None, false, None);

@@ -139,7 +139,7 @@ impl Projection {
             let _ = write!(s, ";window={w}");
             if let Some(u) = self.util() {
                 s.push_str(";util=");
-                s.push_str(&decimal(u));
+                push_decimal(&mut s, u);
             }
         }
         if let Some(t) = self.turns_left {
@@ -151,28 +151,45 @@ impl Projection {
 
 /// Lower-case hex, without a `format!` per byte (session keys, hashed ids).
 pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
+    push_hex(&mut s, bytes);
     s
+}
+
+/// [`hex`] appended to `out`.
+pub fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
+    }
 }
 
 /// An RFC 8941 decimal: at most three fractional digits, trailing zeros dropped.
 pub fn decimal(v: f64) -> String {
+    let mut s = String::new();
+    push_decimal(&mut s, v);
+    s
+}
+
+/// [`decimal`] appended to `out`.
+pub fn push_decimal(out: &mut String, v: f64) {
+    use std::fmt::Write;
     // Integer formatting where rounding to three places is unambiguous (it
-    // runs for every response's projection header); float formatting for
-    // ties and the unusual.
+    // runs for every response's projection header, into the header's own
+    // buffer); float formatting for ties and the unusual.
     let x = v * 1000.0;
-    let s = if v.is_finite() && (0.0..1e15).contains(&x) && (x.fract() - 0.5).abs() > 1e-6 {
+    if v.is_finite() && (0.0..1e15).contains(&x) && (x.fract() - 0.5).abs() > 1e-6 {
         let m = x.round() as u64;
-        format!("{}.{:03}", m / 1000, m % 1000)
+        let (int, mut frac, mut digits) = (m / 1000, m % 1000, 3);
+        while digits > 1 && frac % 10 == 0 {
+            frac /= 10;
+            digits -= 1;
+        }
+        let _ = write!(out, "{int}.{frac:0digits$}");
     } else {
-        format!("{v:.3}")
-    };
-    trim_decimal(&s)
+        out.push_str(&trim_decimal(&format!("{v:.3}")));
+    }
 }
 
 /// [`decimal`] by float formatting alone: the definition the fast path follows.

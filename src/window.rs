@@ -66,12 +66,29 @@ pub fn window_for(rules: &[WindowRule], model: &str) -> Option<u64> {
     if let Some(r) = rules.iter().find(|r| glob_match(&r.glob, model)) {
         return Some(r.tokens);
     }
-    let lower = model.trim().to_ascii_lowercase();
-    let name = strip_prefix(&lower);
-    BUILTIN
-        .iter()
-        .find(|(g, _)| glob_match(g, name))
-        .map(|(_, n)| *n)
+    with_base_name(model.trim(), |name| {
+        BUILTIN
+            .iter()
+            .find(|(g, _)| glob_match(g, name))
+            .map(|(_, n)| *n)
+    })
+}
+
+/// `f` of `model` lowercased (ASCII) with any router prefix stripped:
+/// `OpenAI/GPT-4o` -> `gpt-4o`. A name of up to 128 bytes is lowercased on
+/// the stack: this runs on every request, several times.
+pub fn with_base_name<R>(model: &str, f: impl FnOnce(&str) -> R) -> R {
+    let name = strip_prefix(model);
+    let mut buf = [0u8; 128];
+    match buf.get_mut(..name.len()) {
+        Some(b) => {
+            b.copy_from_slice(name.as_bytes());
+            b.make_ascii_lowercase();
+            // ASCII lowercasing keeps UTF-8 valid.
+            f(std::str::from_utf8(b).unwrap_or(name))
+        }
+        None => f(&name.to_ascii_lowercase()),
+    }
 }
 
 /// `models/gemini-2.5-pro` -> `gemini-2.5-pro`; `openai/gpt-4o` -> `gpt-4o`.

@@ -43,8 +43,11 @@ enum OpenAiRule {
 /// Which of OpenAI's image rules a model follows (part of the cache key,
 /// since the same message costs differently under another rule).
 pub fn openai_class(model: Option<&str>) -> u64 {
-    let m = model.unwrap_or("").to_ascii_lowercase();
-    let m = m.rsplit('/').next().unwrap_or("");
+    crate::window::with_base_name(model.unwrap_or(""), openai_base_class)
+}
+
+/// [`openai_class`] of a lowercased name without router prefix.
+fn openai_base_class(m: &str) -> u64 {
     if m.starts_with("gpt-4.1-mini") {
         1
     } else if m.starts_with("gpt-4.1-nano") {

@@ -37,6 +37,13 @@ pub struct Elements<'a> {
     failed: bool,
 }
 
+impl Elements<'_> {
+    /// The closing bracket was reached: every element was seen.
+    pub fn closed(&self) -> bool {
+        self.closed
+    }
+}
+
 impl<'a> Iterator for Elements<'a> {
     type Item = &'a str;
 

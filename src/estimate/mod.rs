@@ -106,29 +106,30 @@ impl Estimator {
                 continue;
             };
             let raw = raw.get();
-            let elements = if per_element {
-                json::split_array(raw)
-            } else {
-                None
-            };
-            let unit = match (api, unit) {
-                // Responses `input` is a string or a list of items.
-                (Api::OpenAiResponses, Unit::RespItem) if elements.is_none() => Unit::RespInputText,
-                _ => unit,
-            };
             let mut n = 0u64;
-            match elements {
-                Some(els) => {
-                    for el in els {
-                        sum.add(self.unit(api, enc, model, images, unit, el, budget)?);
-                        n += 1;
-                    }
-                }
-                None if json::kind(raw) == b'n' => {}
-                None => {
-                    sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
+            // Element by element, without collecting them first; a raw
+            // member is valid JSON, so its array always closes.
+            if let Some(mut els) = json::elements(raw).filter(|_| per_element) {
+                let mut part = Sum::default();
+                for el in els.by_ref() {
+                    part.add(self.unit(api, enc, model, images, unit, el, budget)?);
                     n += 1;
                 }
+                if els.closed() {
+                    sum.tokens += part.tokens + block_overhead(api, unit, n);
+                    sum.chars += part.chars;
+                    continue;
+                }
+                n = 0;
+            }
+            let unit = match (api, unit) {
+                // Responses `input` is a string or a list of items.
+                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
+                _ => unit,
+            };
+            if json::kind(raw) != b'n' {
+                sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
+                n += 1;
             }
             sum.tokens += block_overhead(api, unit, n);
         }

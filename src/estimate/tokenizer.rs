@@ -34,9 +34,12 @@ impl Encoding {
                 Api::Anthropic | Api::Ollama => Encoding::Cl100kBase,
             };
         };
-        let m = model.to_ascii_lowercase();
         // Router prefixes such as `openai/gpt-4o` or `models/gemini-2.5-pro`.
-        let m = m.rsplit('/').next().unwrap_or(&m);
+        crate::window::with_base_name(model, |m| Encoding::for_base_name(api, m))
+    }
+
+    /// [`Encoding::for_model`] of a lowercased name without router prefix.
+    fn for_base_name(api: Api, m: &str) -> Encoding {
         let o200k = [
             "gpt-4o",
             "gpt-4.1",
