@@ -175,31 +175,29 @@ pub fn decimal(v: f64) -> String {
 /// [`decimal`] appended to `out`.
 pub fn push_decimal(out: &mut String, v: f64) {
     use std::fmt::Write;
+    let start = out.len();
     // Integer formatting where rounding to three places is unambiguous (it
     // runs for every response's projection header, into the header's own
     // buffer); float formatting for ties and the unusual.
     let x = v * 1000.0;
     if v.is_finite() && (0.0..1e15).contains(&x) && (x.fract() - 0.5).abs() > 1e-6 {
         let m = x.round() as u64;
-        let (int, mut frac, mut digits) = (m / 1000, m % 1000, 3);
-        while digits > 1 && frac % 10 == 0 {
-            frac /= 10;
-            digits -= 1;
-        }
-        let _ = write!(out, "{int}.{frac:0digits$}");
+        let _ = write!(out, "{}.{:03}", m / 1000, m % 1000);
     } else {
-        out.push_str(&trim_decimal(&format!("{v:.3}")));
+        let _ = write!(out, "{v:.3}");
     }
+    // Trailing zeros dropped, one kept after the point.
+    let mut end = start + out[start..].trim_end_matches('0').len();
+    if out[..end].ends_with('.') {
+        end += 1;
+    }
+    out.truncate(end);
 }
 
 /// [`decimal`] by float formatting alone: the definition the fast path follows.
 #[cfg(test)]
 fn decimal_by_format(v: f64) -> String {
-    trim_decimal(&format!("{v:.3}"))
-}
-
-/// Trailing zeros dropped, one kept after the point.
-fn trim_decimal(s: &str) -> String {
+    let s = format!("{v:.3}");
     let s = s.trim_end_matches('0');
     if s.ends_with('.') {
         format!("{s}0")
@@ -1341,6 +1339,16 @@ mod tests {
             let v = i as f64 / 131_072.0 + (i % 7) as f64 * 1e-4;
             assert_eq!(decimal(v), slow(v), "{v}");
         }
+        for v in [f64::NAN, f64::INFINITY, -0.25, 1e20] {
+            assert_eq!(decimal(v), slow(v), "{v}");
+        }
+        // Appended after what is there, which stays as it was.
+        let mut s = String::from("util=10");
+        push_decimal(&mut s, 0.5);
+        assert_eq!(s, "util=100.5");
+        let mut s = String::from("w=100.");
+        push_decimal(&mut s, 2.0);
+        assert_eq!(s, "w=100.2.0");
     }
 
     fn gauges() -> [i64; 4] {

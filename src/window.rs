@@ -137,6 +137,18 @@ mod tests {
     }
 
     #[test]
+    fn base_name_is_lowercased_without_its_router_prefix() {
+        let base = |m: &str| with_base_name(m, str::to_string);
+        assert_eq!(base("OpenAI/GPT-4o"), "gpt-4o");
+        assert_eq!(base("models/Gemini-2.5-Pro"), "gemini-2.5-pro");
+        assert_eq!(base("Claude-Ünïcode"), "claude-Ünïcode");
+        // Past the stack buffer, the same answer from the heap.
+        let long = format!("Router/{}", "AbC".repeat(60));
+        assert_eq!(base(&long), "abc".repeat(60));
+        assert_eq!(base(""), "");
+    }
+
+    #[test]
     fn glob() {
         assert!(glob_match("*", ""));
         assert!(glob_match("*", "anything"));

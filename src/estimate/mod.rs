@@ -107,8 +107,9 @@ impl Estimator {
             };
             let raw = raw.get();
             let mut n = 0u64;
-            // Element by element, without collecting them first; a raw
-            // member is valid JSON, so its array always closes.
+            // Element by element, without collecting them first. A raw
+            // member is valid JSON, so its array closes; were it cut short,
+            // it would count whole, as a member that is not an array does.
             if let Some(mut els) = json::elements(raw).filter(|_| per_element) {
                 let mut part = Sum::default();
                 for el in els.by_ref() {
