@@ -56,6 +56,7 @@
 pub mod config;
 pub mod demo;
 pub mod estimate;
+pub mod h1;
 pub mod inject;
 pub mod inspect;
 pub mod metrics;

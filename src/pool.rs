@@ -1,22 +1,16 @@
 //! The upstream client: pooled connections, HTTP/1.1 driven by the response
 //! body that reads them, HTTP/2 shared by ALPN.
 //!
-//! hyper's pooled client runs every HTTP/1.1 connection as its own task and
-//! hands the response body over through a channel that holds one chunk: a
-//! burst of 20 SSE events that arrived in one `read` crossed two tasks 20
-//! times and left tidemark as 20 separate writes (a syscall and a client
-//! wakeup each). That relay, not anything tidemark parses, held streams to a
-//! quarter of nginx's rate.
-//!
-//! Here an HTTP/1.1 connection has no task of its own. The request waits for
-//! its response head while polling the connection itself; the response body
-//! ([`UpstreamBody`]) then carries the connection and polls it whenever it
-//! runs dry, in the task that writes to the client. Every chunk that has
-//! already arrived is decoded in that one poll and leaves as one frame, the
-//! way nginx forwards with `proxy_buffering off`; nothing waits for bytes that
-//! have not arrived. A token stream whose events arrive one by one is
-//! forwarded event by event. Only chunk boundaries change, which HTTP/1.1 and
-//! HTTP/2 leave to each hop.
+//! An HTTP/1.1 connection has no task of its own, and tidemark speaks the
+//! protocol itself (`h1.rs`). The request is written and its response head
+//! read by the request's task; the response body ([`UpstreamBody`]) then
+//! carries the connection and reads it whenever it runs dry, in the task
+//! that writes to the client. Every chunk that has already arrived is
+//! decoded in that one pass and leaves as one frame, the way nginx forwards
+//! with `proxy_buffering off`; nothing waits for bytes that have not
+//! arrived. A token stream whose events arrive one by one is forwarded event
+//! by event. Only chunk boundaries change, which HTTP/1.1 and HTTP/2 leave
+//! to each hop.
 //!
 //! When the body has been read to its end, the connection goes back to the
 //! pool; when the body is dropped early (the client left), the connection is
@@ -37,7 +31,7 @@
 //! (hyper's own task, as h2 needs) shared by all requests to it.
 
 use std::collections::HashMap;
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -46,34 +40,31 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use http::header::HOST;
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Response, Uri, Version};
+use http::{HeaderMap, Request, Response, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
+use hyper::client::conn::http2;
 use hyper_rustls::MaybeHttpsStream;
 use hyper_util::client::legacy::connect::Connection as _;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
+use crate::h1::{self, Decoded, Sent, Sink};
+use crate::tap::BoxError;
 use crate::upstream::{TimedConnector, UpBody, UpstreamError};
 
-type Io = MaybeHttpsStream<TokioIo<TcpStream>>;
-type H1Conn = http1::Connection<Io, UpBody>;
+/// An HTTP/1.1 connection: the (maybe TLS) socket, seen through tokio's
+/// read and write traits, and its read buffer. Boxed once when it is made:
+/// handing it between the pool, a request and its response body then moves
+/// a pointer, not its TLS state.
+type H1 = h1::Conn<TokioIo<MaybeHttpsStream<TokioIo<TcpStream>>>>;
 
 /// Bytes that leave as one frame at most.
 const MAX_PIECE: usize = 64 * 1024;
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Key(Scheme, Authority);
-
-/// One HTTP/1.1 connection, boxed once when it is made: handing it between
-/// the pool, a request and its response body then moves a pointer, not its
-/// buffers and TLS state (about 1.8 KB, copied several times a request).
-struct H1 {
-    send: http1::SendRequest<UpBody>,
-    conn: H1Conn,
-}
 
 struct Idle {
     h1: Box<H1>,
@@ -100,6 +91,7 @@ pub struct Client(Arc<Shared>);
 /// An HTTP/1.1 connection travelling with its response body.
 struct Driven {
     h1: Box<H1>,
+    reader: h1::Reader,
     key: Key,
     pool: Arc<Shared>,
 }
@@ -147,8 +139,8 @@ impl Client {
         }
         // Idle HTTP/1.1 connections first; a request they could not take is
         // sent again, at most once per idle connection, then on a new one.
-        while let Some(idle) = self.checkout(&key).await {
-            match self.send_h1(idle.h1, &key, req).await {
+        while let Some(idle) = self.checkout(&key) {
+            match self.send_h1(idle.h1, &key, req, true).await {
                 Ok(r) => return Ok(r),
                 Err(Retry::Again(r)) => req = r,
                 Err(Retry::Failed(e)) => return Err(e),
@@ -185,11 +177,8 @@ impl Client {
             self.0.h2.lock().unwrap().insert(key.clone(), send.clone());
             return on_fresh(send_h2(send, &key, req).await);
         }
-        let (send, conn) = http1::Builder::new()
-            .handshake(io)
-            .await
-            .map_err(|e| UpstreamError::classify(&e, true))?;
-        on_fresh(self.send_h1(Box::new(H1 { send, conn }), &key, req).await)
+        let h1 = Box::new(h1::Conn::new(TokioIo::new(io)));
+        on_fresh(self.send_h1(h1, &key, req, false).await)
     }
 
     fn h2_for(&self, key: &Key) -> Option<http2::SendRequest<UpBody>> {
@@ -204,75 +193,54 @@ impl Client {
         }
     }
 
-    /// The most recently used idle connection that is still open and ready.
-    async fn checkout(&self, key: &Key) -> Option<Idle> {
-        loop {
-            let mut idle = {
-                let mut map = self.0.idle().lock().unwrap();
-                let list = map.get_mut(key)?;
-                let idle = list.pop()?;
-                if list.is_empty() {
-                    map.remove(key);
-                }
-                idle
-            };
-            if idle.since.elapsed() > self.0.idle_timeout {
-                continue;
+    /// The most recently used idle connection that has not timed out
+    /// (`send_h1` checks that it is still open).
+    fn checkout(&self, key: &Key) -> Option<Idle> {
+        let mut map = self.0.idle().lock().unwrap();
+        let list = map.get_mut(key)?;
+        let now = Instant::now();
+        let found = loop {
+            let idle = list.pop()?;
+            if now.duration_since(idle.since) <= self.0.idle_timeout {
+                break idle;
             }
-            // One poll lets the connection notice a close and announce that
-            // it can take the next request.
-            let ready = poll_fn(|cx| {
-                if Pin::new(&mut idle.h1.conn).poll(cx).is_ready() {
-                    return Poll::Ready(false);
-                }
-                Poll::Ready(matches!(idle.h1.send.poll_ready(cx), Poll::Ready(Ok(()))))
-            })
-            .await;
-            if ready {
-                return Some(idle);
-            }
+        };
+        if list.is_empty() {
+            map.remove(key);
         }
+        Some(found)
     }
 
+    /// Sends on an HTTP/1.1 connection. `reused`: it sat idle, so it is
+    /// checked first, and if the server closed it the request comes back.
     async fn send_h1(
         &self,
         mut h1: Box<H1>,
         key: &Key,
         mut req: Request<UpBody>,
+        reused: bool,
     ) -> Result<Response<UpstreamBody>, Retry> {
-        target(&mut req, key, false);
-
-        // The request waits in the connection's queue; the future does not
-        // borrow the connection.
-        let mut sent = std::pin::pin!(h1.send.try_send_request(req));
-        let mut h1 = Some(h1);
-        let res = poll_fn(|cx| {
-            if let Some(c) = h1.as_mut() {
-                // The connection writes the request and reads the head.
-                if Pin::new(&mut c.conn).poll(cx).is_ready() {
-                    // It has finished: closed by the server (perhaps between
-                    // the check in `checkout` and now) or failed. Dropping it
-                    // hands back a request it never took; kept, that request
-                    // would wait forever.
-                    h1 = None;
-                }
+        if !req.headers().contains_key(HOST) {
+            if let Some(v) = crate::upstream::host_value(&key.1) {
+                req.headers_mut().insert(HOST, v);
             }
-            sent.as_mut().poll(cx)
-        })
-        .await;
-        match res {
-            Ok(resp) => {
-                let driven = h1.map(|h1| Driven {
+        }
+        match h1::send(&mut h1, req, reused).await {
+            Ok(Sent::NotSent(req)) => Err(Retry::Again(req)),
+            Ok(Sent::Response(r)) => {
+                let driven = Driven {
                     h1,
+                    reader: r.body,
                     key: key.clone(),
                     pool: Arc::clone(&self.0),
-                });
-                Ok(resp.map(|body| UpstreamBody::new(body, driven)))
+                };
+                let mut resp = Response::new(UpstreamBody::new(Src::H1(Box::new(driven))));
+                *resp.status_mut() = r.head.status;
+                *resp.version_mut() = r.head.version;
+                *resp.headers_mut() = r.head.headers;
+                Ok(resp)
             }
-            Err(mut e) => match e.take_message() {
-                Some(req) => Err(Retry::Again(req)),
-                None => Err(Retry::Failed(UpstreamError::classify(e.error(), false))),
-            },
+            Err(e) => Err(Retry::Failed(UpstreamError::classify(&e, false))),
         }
     }
 }
@@ -294,30 +262,19 @@ fn on_fresh(
     })
 }
 
-/// Point `req` at `key` in the form its protocol wants: HTTP/2 the absolute
-/// URI (its `:scheme` and `:authority`), HTTP/1.1 the origin form and `Host`.
-/// Either way round, since a request an idle connection gave back is sent
-/// again on whatever connection comes next.
-fn target(req: &mut Request<UpBody>, key: &Key, h2: bool) {
+/// Point `req` at `key` in the form HTTP/2 wants: the absolute URI (its
+/// `:scheme` and `:authority`) and no `Host`. HTTP/1.1 (`h1::send`) writes
+/// the origin form and sets `Host` itself, so a request an HTTP/2
+/// connection gave back can go out on HTTP/1.1 as it is.
+fn target_h2(req: &mut Request<UpBody>, key: &Key) {
     let mut parts = std::mem::take(req.uri_mut()).into_parts();
     if parts.path_and_query.is_none() {
         parts.path_and_query = Some(PathAndQuery::from_static("/"));
     }
-    if h2 {
-        parts.scheme = Some(key.0.clone());
-        parts.authority = Some(key.1.clone());
-        req.headers_mut().remove(HOST);
-        *req.version_mut() = Version::HTTP_2;
-    } else {
-        parts.scheme = None;
-        parts.authority = None;
-        if !req.headers().contains_key(HOST) {
-            if let Some(v) = crate::upstream::host_value(&key.1) {
-                req.headers_mut().insert(HOST, v);
-            }
-        }
-        *req.version_mut() = Version::HTTP_11;
-    }
+    parts.scheme = Some(key.0.clone());
+    parts.authority = Some(key.1.clone());
+    req.headers_mut().remove(HOST);
+    *req.version_mut() = Version::HTTP_2;
     *req.uri_mut() = Uri::from_parts(parts).unwrap_or_default();
 }
 
@@ -326,12 +283,12 @@ async fn send_h2(
     key: &Key,
     mut req: Request<UpBody>,
 ) -> Result<Response<UpstreamBody>, Retry> {
-    target(&mut req, key, true);
+    target_h2(&mut req, key);
     if poll_fn(|cx| send.poll_ready(cx)).await.is_err() {
         return Err(Retry::Again(req));
     }
     match send.try_send_request(req).await {
-        Ok(resp) => Ok(resp.map(|body| UpstreamBody::new(body, None))),
+        Ok(resp) => Ok(resp.map(|body| UpstreamBody::new(Src::H2(body)))),
         Err(mut e) => match e.take_message() {
             Some(req) => Err(Retry::Again(req)),
             None => Err(Retry::Failed(UpstreamError::classify(e.error(), false))),
@@ -356,7 +313,7 @@ impl Shared {
     }
 
     fn put(&self, d: Driven) {
-        if d.h1.send.is_closed() {
+        if !d.reader.reusable() || !d.h1.clean() {
             return;
         }
         let mut map = self.idle().lock().unwrap();
@@ -375,58 +332,52 @@ impl Shared {
 /// What ended the gathering, handed out after the held bytes.
 enum After {
     Nothing,
-    Trailers(Frame<Bytes>),
-    Error(hyper::Error),
+    Trailers(HeaderMap),
+    Error(BoxError),
     End,
 }
 
-/// A response body from upstream: the bytes that have arrived, each time as
-/// one frame, with the HTTP/1.1 connection it is read from.
-pub struct UpstreamBody {
-    body: Incoming,
-    driven: Option<Driven>,
-    /// The first chunk of the piece being gathered, and the piece once a
-    /// second chunk joined it.
-    first: Option<Bytes>,
-    joined: BytesMut,
-    after: After,
-    ended: bool,
+/// Where a response body comes from.
+enum Src {
+    /// An HTTP/2 stream (hyper's connection task feeds it).
+    H2(Incoming),
+    /// An HTTP/1.1 connection this body reads and decodes itself.
+    H1(Box<Driven>),
+    /// The HTTP/1.1 body was read to its end and its connection let go.
+    Done,
 }
 
-impl UpstreamBody {
-    fn new(body: Incoming, driven: Option<Driven>) -> Self {
-        let mut b = UpstreamBody {
-            body,
-            driven,
-            first: None,
-            joined: BytesMut::new(),
-            after: After::Nothing,
-            ended: false,
-        };
-        if b.body.is_end_stream() {
-            // No body to read (204, HEAD, Content-Length: 0): the connection
-            // is free again now.
-            b.release();
+/// The piece being gathered: the first bytes as they came, and the piece
+/// once more joined them.
+#[derive(Default)]
+struct Held {
+    first: Option<Bytes>,
+    joined: BytesMut,
+}
+
+impl Sink for Held {
+    fn bytes(&mut self, data: Bytes) {
+        if self.first.is_none() && self.joined.is_empty() {
+            self.first = Some(data);
+        } else {
+            self.slice(&data);
         }
-        b
+    }
+
+    fn slice(&mut self, data: &[u8]) {
+        if let Some(first) = self.first.take() {
+            self.joined.reserve(first.len() + data.len());
+            self.joined.extend_from_slice(&first);
+        }
+        self.joined.extend_from_slice(data);
     }
 
     fn held(&self) -> usize {
         self.first.as_ref().map_or(0, Bytes::len) + self.joined.len()
     }
+}
 
-    fn hold(&mut self, data: Bytes) {
-        if self.first.is_none() && self.joined.is_empty() {
-            self.first = Some(data);
-            return;
-        }
-        if let Some(first) = self.first.take() {
-            self.joined.reserve(first.len() + data.len());
-            self.joined.extend_from_slice(&first);
-        }
-        self.joined.extend_from_slice(&data);
-    }
-
+impl Held {
     fn take(&mut self) -> Option<Frame<Bytes>> {
         match self.first.take() {
             Some(b) => Some(Frame::data(b)),
@@ -435,20 +386,58 @@ impl UpstreamBody {
         }
     }
 
-    /// The body was read to its end: the connection can serve another request.
+    fn is_empty(&self) -> bool {
+        self.first.is_none() && self.joined.is_empty()
+    }
+}
+
+/// A response body from upstream: the bytes that have arrived, each time as
+/// one frame.
+pub struct UpstreamBody {
+    src: Src,
+    held: Held,
+    after: After,
+    ended: bool,
+}
+
+impl UpstreamBody {
+    fn new(src: Src) -> Self {
+        let mut b = UpstreamBody {
+            src,
+            held: Held::default(),
+            after: After::Nothing,
+            ended: false,
+        };
+        if let Src::H1(d) = &b.src {
+            if d.reader.done() {
+                // No body to read (204, HEAD, Content-Length: 0): the
+                // connection is free again now.
+                b.release();
+            }
+        }
+        b
+    }
+
+    /// The HTTP/1.1 body was read to its end: the connection can serve
+    /// another request, if it is fit to.
     fn release(&mut self) {
-        if let Some(d) = self.driven.take() {
-            let pool = Arc::clone(&d.pool);
-            pool.put(d);
+        if let Src::H1(_) = self.src {
+            if let Src::H1(d) = std::mem::replace(&mut self.src, Src::Done) {
+                let pool = Arc::clone(&d.pool);
+                pool.put(*d);
+            }
         }
     }
 
     /// Hand out what is held, then `then`.
-    fn emit(&mut self, then: After) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if let After::End = then {
-            self.release();
+    fn emit(&mut self, then: After) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match then {
+            After::End | After::Trailers(_) => self.release(),
+            // Not reused: dropping the connection closes it.
+            After::Error(_) if matches!(self.src, Src::H1(_)) => self.src = Src::Done,
+            _ => {}
         }
-        match self.take() {
+        match self.held.take() {
             Some(f) => {
                 self.after = then;
                 Poll::Ready(Some(Ok(f)))
@@ -457,13 +446,16 @@ impl UpstreamBody {
         }
     }
 
-    fn finish(&mut self, then: After) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn finish(&mut self, then: After) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match then {
             After::Nothing => Poll::Pending,
-            After::Trailers(t) => Poll::Ready(Some(Ok(t))),
+            After::Trailers(t) => {
+                // Trailers are a body's last frame.
+                self.ended = true;
+                Poll::Ready(Some(Ok(Frame::trailers(t))))
+            }
             After::Error(e) => {
                 self.ended = true;
-                self.driven = None;
                 Poll::Ready(Some(Err(e)))
             }
             After::End => {
@@ -472,16 +464,90 @@ impl UpstreamBody {
             }
         }
     }
+
+    fn poll_h2(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let Src::H2(body) = &mut self.src else {
+            return self.emit(After::End);
+        };
+        loop {
+            match Pin::new(&mut *body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        if !data.is_empty() {
+                            self.held.bytes(data);
+                        }
+                        if body.is_end_stream() {
+                            return self.emit(After::End);
+                        }
+                        if self.held.held() >= MAX_PIECE {
+                            return self.emit(After::Nothing);
+                        }
+                    }
+                    Err(frame) => match frame.into_trailers() {
+                        Ok(t) => return self.emit(After::Trailers(t)),
+                        Err(_) => continue,
+                    },
+                },
+                Poll::Ready(Some(Err(e))) => return self.emit(After::Error(Box::new(e))),
+                Poll::Ready(None) => return self.emit(After::End),
+                Poll::Pending => {
+                    return match self.held.take() {
+                        Some(f) => Poll::Ready(Some(Ok(f))),
+                        None => Poll::Pending,
+                    }
+                }
+            }
+        }
+    }
+
+    fn poll_h1(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            let Src::H1(d) = &mut self.src else {
+                return self.emit(After::End);
+            };
+            // Everything that has arrived, decoded in one pass.
+            match d.reader.decode(&mut d.h1, &mut self.held, MAX_PIECE) {
+                Err(e) => return self.emit(After::Error(Box::new(e))),
+                Ok(Decoded::End(None)) => return self.emit(After::End),
+                Ok(Decoded::End(Some(t))) => return self.emit(After::Trailers(t)),
+                Ok(Decoded::More) if self.held.held() >= MAX_PIECE => {
+                    return self.emit(After::Nothing)
+                }
+                Ok(Decoded::More) => {}
+            }
+            match d.h1.poll_body_read(cx) {
+                Poll::Ready(Ok(0)) => {
+                    return match d.reader.at_close() {
+                        Ok(()) => {
+                            // Read to the close: nothing to reuse.
+                            self.src = Src::Done;
+                            self.emit(After::End)
+                        }
+                        Err(e) => self.emit(After::Error(Box::new(e))),
+                    };
+                }
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => return self.emit(After::Error(Box::new(e))),
+                // Nothing more yet: send what is held, or wait.
+                Poll::Pending => {
+                    return match self.held.take() {
+                        Some(f) => Poll::Ready(Some(Ok(f))),
+                        None => Poll::Pending,
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         match std::mem::replace(&mut this.after, After::Nothing) {
             After::Nothing => {}
@@ -490,78 +556,47 @@ impl Body for UpstreamBody {
         if this.ended {
             return Poll::Ready(None);
         }
-        let mut drove = false;
-        loop {
-            match Pin::new(&mut this.body).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => {
-                        drove = false;
-                        if !data.is_empty() {
-                            this.hold(data);
-                        }
-                        if this.body.is_end_stream() {
-                            return this.emit(After::End);
-                        }
-                        if this.held() >= MAX_PIECE {
-                            return this.emit(After::Nothing);
-                        }
-                    }
-                    Err(trailers) => return this.emit(After::Trailers(trailers)),
-                },
-                Poll::Ready(Some(Err(e))) => return this.emit(After::Error(e)),
-                Poll::Ready(None) => return this.emit(After::End),
-                Poll::Pending => {
-                    // Let the connection read and decode what has arrived,
-                    // once per dry spell; then send what is held, or wait.
-                    if !drove {
-                        if let Some(d) = this.driven.as_mut() {
-                            drove = true;
-                            if Pin::new(&mut d.h1.conn).poll(cx).is_ready() {
-                                // Closed or failed: the body hears of it next.
-                                this.driven = None;
-                            }
-                            continue;
-                        }
-                    }
-                    return match this.take() {
-                        Some(f) => Poll::Ready(Some(Ok(f))),
-                        None => Poll::Pending,
-                    };
-                }
-            }
+        match this.src {
+            Src::H2(_) => this.poll_h2(cx),
+            _ => this.poll_h1(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         self.ended
-            || (self.first.is_none()
-                && self.joined.is_empty()
+            || (self.held.is_empty()
                 && match self.after {
                     After::End => true,
-                    After::Nothing => self.body.is_end_stream(),
+                    After::Nothing => match &self.src {
+                        Src::H2(b) => b.is_end_stream(),
+                        Src::H1(d) => d.reader.done(),
+                        Src::Done => true,
+                    },
                     _ => false,
                 })
     }
 
     fn size_hint(&self) -> SizeHint {
-        let held = self.held() as u64;
-        let inner = self.body.size_hint();
-        let mut h = SizeHint::new();
-        h.set_lower(inner.lower() + held);
-        if let Some(u) = inner.upper() {
-            h.set_upper(u + held);
-        }
-        h
-    }
-}
-
-impl Drop for UpstreamBody {
-    fn drop(&mut self) {
-        // Read to its end (the server stops polling a body whose length is
-        // known once it is complete): reuse. Otherwise the connection is
-        // dropped here, closing it: a client that left cancels upstream.
-        if self.body.is_end_stream() && self.first.is_none() && self.joined.is_empty() {
-            self.release();
+        let held = self.held.held() as u64;
+        match &self.src {
+            Src::H2(b) => {
+                let inner = b.size_hint();
+                let mut h = SizeHint::new();
+                h.set_lower(inner.lower() + held);
+                if let Some(u) = inner.upper() {
+                    h.set_upper(u + held);
+                }
+                h
+            }
+            Src::H1(d) => match d.reader.left() {
+                Some(left) => SizeHint::with_exact(left + held),
+                None => {
+                    let mut h = SizeHint::new();
+                    h.set_lower(held);
+                    h
+                }
+            },
+            Src::Done => SizeHint::with_exact(held),
         }
     }
 }
@@ -622,7 +657,7 @@ mod tests {
         // The server closes it; the request is sent without a fresh check.
         close.send(()).unwrap();
         closed.await.unwrap();
-        let sent = client.send_h1(idle.h1, &key, post(addr));
+        let sent = client.send_h1(idle.h1, &key, post(addr), true);
         match tokio::time::timeout(Duration::from_secs(10), sent).await {
             Ok(Err(Retry::Again(back))) => assert_eq!(back.uri().path(), "/v1/chat/completions"),
             Ok(Err(Retry::Failed(e))) => panic!("failed instead of handed back: {e:?}"),
