@@ -501,6 +501,8 @@ pub trait Sink {
     fn bytes(&mut self, b: Bytes);
     fn slice(&mut self, b: &[u8]);
     fn held(&self) -> usize;
+    /// About `n` more bytes are coming through `slice`.
+    fn reserve(&mut self, n: usize);
 }
 
 impl Reader {
@@ -582,6 +584,8 @@ impl Reader {
         sink: &mut dyn Sink,
         limit: usize,
     ) -> io::Result<Decoded> {
+        // The payload of what is buffered, a little less than all of it.
+        sink.reserve(buf.len().min(limit));
         let mut at = 0;
         let result = loop {
             if at == buf.len() || sink.held() >= limit {
@@ -766,6 +770,9 @@ mod tests {
         }
         fn held(&self) -> usize {
             self.0.len()
+        }
+        fn reserve(&mut self, n: usize) {
+            self.0.reserve(n);
         }
     }
 

@@ -375,6 +375,11 @@ impl Sink for Held {
     fn held(&self) -> usize {
         self.first.as_ref().map_or(0, Bytes::len) + self.joined.len()
     }
+
+    fn reserve(&mut self, n: usize) {
+        let first = self.first.as_ref().map_or(0, Bytes::len);
+        self.joined.reserve(first + n);
+    }
 }
 
 impl Held {
