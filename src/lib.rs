@@ -33,8 +33,9 @@
 //! 7. **Upstream** (`upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
 //!    OpenAI chat usage option injected (`inject.rs`), connect and
 //!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
-//!    by ALPN) has no task per HTTP/1.1 connection: the response body drives
-//!    its connection, so bytes that arrived together leave together. When no
+//!    by ALPN) speaks HTTP/1.1 itself (`h1.rs`) and has no task per
+//!    connection: the response body reads and decodes its connection, so
+//!    bytes that arrived together leave together. When no
 //!    policy can stop or change the request (`--on-over pass`, no session
 //!    budget, no exact cold start: the defaults), it leaves right after step
 //!    3, having taken its place in its session's order (so two in flight
