@@ -820,6 +820,48 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+        /// Any payload, cut into any chunks (hex in either case, with or
+        /// without extensions), with or without trailers, fed in any
+        /// pieces: the same payload and trailers come out, and nothing
+        /// after the body is taken.
+        #[test]
+        fn any_chunked_body_in_any_pieces_decodes_to_its_payload(
+            payload in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..3000),
+            cuts in proptest::collection::vec(1usize..700, 0..12),
+            upper in proptest::prelude::any::<bool>(),
+            ext in proptest::prelude::any::<bool>(),
+            trailer in proptest::prelude::any::<bool>(),
+            step in 1usize..400,
+        ) {
+            let mut wire = Vec::new();
+            let mut rest = &payload[..];
+            let mut cuts = cuts.into_iter();
+            while !rest.is_empty() {
+                let n = cuts.next().unwrap_or(rest.len()).min(rest.len());
+                let size = if upper { format!("{n:X}") } else { format!("{n:x}") };
+                wire.extend_from_slice(size.as_bytes());
+                if ext {
+                    wire.extend_from_slice(b";a=b");
+                }
+                wire.extend_from_slice(b"\r\n");
+                wire.extend_from_slice(&rest[..n]);
+                wire.extend_from_slice(b"\r\n");
+                rest = &rest[n..];
+            }
+            wire.extend_from_slice(b"0\r\n");
+            if trailer {
+                wire.extend_from_slice(b"x-t: 1\r\n");
+            }
+            wire.extend_from_slice(b"\r\nHTTP/1.1 200 OK\r\n");
+            let (body, trailers, left) = decode_in_steps(&wire, step).unwrap();
+            proptest::prop_assert_eq!(body, payload);
+            proptest::prop_assert_eq!(trailers.is_some(), trailer);
+            proptest::prop_assert!(b"HTTP/1.1 200 OK\r\n".starts_with(&left));
+        }
+    }
+
     #[test]
     fn malformed_chunked_framing_is_an_error() {
         for wire in [
