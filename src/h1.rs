@@ -38,10 +38,16 @@ const MAX_TRAILERS: usize = 64 * 1024;
 /// Room made in the read buffer before each read.
 const READ_ROOM: usize = 16 * 1024;
 
-/// One HTTP/1.1 connection: the socket and the bytes read but not yet used.
+/// One HTTP/1.1 connection: the socket, the bytes read but not yet used,
+/// and the request being written (its head, then body pieces), whose
+/// buffers are kept for the connection's next request.
 pub struct Conn<T> {
     io: T,
     buf: BytesMut,
+    head: BytesMut,
+    /// How much of `head` has been written.
+    head_at: usize,
+    queue: VecDeque<Bytes>,
 }
 
 fn bad(msg: &'static str) -> io::Error {
@@ -53,6 +59,9 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Conn<T> {
         Conn {
             io,
             buf: BytesMut::new(),
+            head: BytesMut::new(),
+            head_at: 0,
+            queue: VecDeque::new(),
         }
     }
 
@@ -140,7 +149,9 @@ fn parse_head(buf: &mut BytesMut) -> io::Result<Option<Head>> {
         (len, status, version, n)
     };
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(n);
+    // Room for the headers the proxy adds (projection, warning, trim)
+    // without the map growing.
+    let mut headers = HeaderMap::with_capacity(n + 4);
     for &(ns, ne, vs, ve) in &spans[..n] {
         let (ns, ne, vs, ve) = (ns as usize, ne as usize, vs as usize, ve as usize);
         let name = HeaderName::from_bytes(&head[ns..ne]).map_err(|_| bad("bad header name"))?;
@@ -228,8 +239,9 @@ fn response_framing(request: &Method, head: &Head) -> io::Result<(Framing, bool)
 }
 
 /// The request head, origin form, with the framing header tidemark chose.
-fn encode_head(parts: &http::request::Parts, framing: Framing) -> BytesMut {
-    let mut out = BytesMut::with_capacity(256 + parts.headers.len() * 48);
+fn encode_head(parts: &http::request::Parts, framing: Framing, out: &mut BytesMut) {
+    out.clear();
+    out.reserve(256 + parts.headers.len() * 48);
     out.extend_from_slice(parts.method.as_str().as_bytes());
     out.extend_from_slice(b" ");
     out.extend_from_slice(
@@ -244,15 +256,26 @@ fn encode_head(parts: &http::request::Parts, framing: Framing) -> BytesMut {
         if name == CONTENT_LENGTH || name == TRANSFER_ENCODING {
             continue;
         }
-        put_header(&mut out, name.as_str(), value.as_bytes());
+        put_header(out, name.as_str(), value.as_bytes());
     }
     match framing {
-        Framing::Length(n) => put_header(&mut out, "content-length", n.to_string().as_bytes()),
-        Framing::Chunked => put_header(&mut out, "transfer-encoding", b"chunked"),
+        Framing::Length(n) => {
+            // The digits of `n`, written backwards into a stack buffer.
+            let (mut digits, mut at, mut n) = ([0u8; 20], 20, n);
+            loop {
+                at -= 1;
+                digits[at] = b'0' + (n % 10) as u8;
+                n /= 10;
+                if n == 0 {
+                    break;
+                }
+            }
+            put_header(out, "content-length", &digits[at..]);
+        }
+        Framing::Chunked => put_header(out, "transfer-encoding", b"chunked"),
         Framing::Empty | Framing::Close => {}
     }
     out.extend_from_slice(b"\r\n");
-    out
 }
 
 fn put_header(out: &mut BytesMut, name: &str, value: &[u8]) {
@@ -311,7 +334,6 @@ pub async fn send<T: AsyncRead + AsyncWrite + Unpin>(
     let (parts, mut body) = req.into_parts();
     let framing = request_framing(&parts, &body)?;
     let mut out = Out {
-        queue: VecDeque::with_capacity(4),
         chunked: framing == Framing::Chunked,
         left: match framing {
             Framing::Length(n) => n,
@@ -319,14 +341,25 @@ pub async fn send<T: AsyncRead + AsyncWrite + Unpin>(
         },
         done: matches!(framing, Framing::Empty | Framing::Length(0)),
     };
-    out.queue.push_back(encode_head(&parts, framing).freeze());
+    encode_head(&parts, framing, &mut conn.head);
+    conn.head_at = 0;
+    conn.queue.clear();
     let head = std::future::poll_fn(|cx| loop {
-        out.fill(&mut body, cx)?;
-        if !out.queue.is_empty() {
-            match poll_write_queue(&mut conn.io, cx, &mut out.queue) {
-                Poll::Ready(Ok(())) => continue,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => {}
+        {
+            let Conn {
+                io,
+                head,
+                head_at,
+                queue,
+                ..
+            } = &mut *conn;
+            out.fill(&mut body, queue, cx)?;
+            if *head_at < head.len() || !queue.is_empty() {
+                match poll_write_queue(io, cx, head, head_at, queue) {
+                    Poll::Ready(Ok(())) => continue,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {}
+                }
             }
         }
         // All written, the socket full, or the body waiting for its client:
@@ -337,16 +370,17 @@ pub async fn send<T: AsyncRead + AsyncWrite + Unpin>(
     let (framing, reusable) = response_framing(&parts.method, &head)?;
     // A reply that came before the whole request was written leaves the
     // connection mid-message.
-    let reusable = reusable && out.done && out.queue.is_empty();
+    let written = conn.head_at == conn.head.len() && conn.queue.is_empty();
+    let reusable = reusable && out.done && written;
+    conn.queue.clear();
     Ok(Sent::Response(Response {
         head,
         body: Reader::new(framing, reusable),
     }))
 }
 
-/// The request bytes waiting to be written.
+/// How the request body is framed as it goes out.
 struct Out {
-    queue: VecDeque<Bytes>,
     chunked: bool,
     /// Bytes a fixed-length body still owes.
     left: u64,
@@ -354,24 +388,28 @@ struct Out {
 }
 
 impl Out {
-    /// Takes what the request body has ready, framed.
-    fn fill(&mut self, body: &mut UpBody, cx: &mut Context<'_>) -> io::Result<()> {
-        while !self.done && self.queue.len() < 16 {
+    /// Queues what the request body has ready, framed.
+    fn fill(
+        &mut self,
+        body: &mut UpBody,
+        queue: &mut VecDeque<Bytes>,
+        cx: &mut Context<'_>,
+    ) -> io::Result<()> {
+        while !self.done && queue.len() < 16 {
             match Pin::new(&mut *body).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) if data.is_empty() => {}
                     Ok(data) => {
                         if self.chunked {
-                            self.queue
-                                .push_back(Bytes::from(format!("{:x}\r\n", data.len())));
-                            self.queue.push_back(data);
-                            self.queue.push_back(Bytes::from_static(b"\r\n"));
+                            queue.push_back(Bytes::from(format!("{:x}\r\n", data.len())));
+                            queue.push_back(data);
+                            queue.push_back(Bytes::from_static(b"\r\n"));
                         } else {
                             if data.len() as u64 > self.left {
                                 return Err(bad("request body longer than its length"));
                             }
                             self.left -= data.len() as u64;
-                            self.queue.push_back(data);
+                            queue.push_back(data);
                             self.done = self.left == 0;
                         }
                     }
@@ -383,7 +421,7 @@ impl Out {
                                 put_header(&mut t, name.as_str(), value.as_bytes());
                             }
                             t.extend_from_slice(b"\r\n");
-                            self.queue.push_back(t.freeze());
+                            queue.push_back(t.freeze());
                             self.done = true;
                         }
                     }
@@ -391,7 +429,7 @@ impl Out {
                 Poll::Ready(Some(Err(e))) => return Err(io::Error::other(e)),
                 Poll::Ready(None) => {
                     if self.chunked {
-                        self.queue.push_back(Bytes::from_static(b"0\r\n\r\n"));
+                        queue.push_back(Bytes::from_static(b"0\r\n\r\n"));
                     } else if self.left > 0 {
                         return Err(bad("request body shorter than its length"));
                     }
@@ -404,40 +442,50 @@ impl Out {
     }
 }
 
-/// Writes from the front of `queue` until it is empty or the socket is full.
+/// Writes the rest of `head`, then from the front of `queue`, until all is
+/// written or the socket is full.
 fn poll_write_queue<T: AsyncWrite + Unpin>(
     io: &mut T,
     cx: &mut Context<'_>,
+    head: &[u8],
+    head_at: &mut usize,
     queue: &mut VecDeque<Bytes>,
 ) -> Poll<io::Result<()>> {
-    while !queue.is_empty() {
+    while *head_at < head.len() || !queue.is_empty() {
+        let rest = &head[*head_at..];
         let n = if io.is_write_vectored() {
             let mut slices = [io::IoSlice::new(&[]); 32];
-            let mut k = 0;
-            for (s, b) in slices.iter_mut().zip(queue.iter()) {
+            slices[0] = io::IoSlice::new(rest);
+            let mut k = 1;
+            for (s, b) in slices[1..].iter_mut().zip(queue.iter()) {
                 *s = io::IoSlice::new(b);
                 k += 1;
             }
             ready!(Pin::new(&mut *io).poll_write_vectored(cx, &slices[..k]))?
-        } else {
-            if queue.len() > 1 && queue[0].len() < 16 * 1024 {
-                // One write (one TLS record) for the small pieces at the front.
-                let mut joined = BytesMut::new();
-                while let Some(front) = queue.front() {
-                    if !joined.is_empty() && joined.len() + front.len() > 64 * 1024 {
-                        break;
-                    }
-                    joined.extend_from_slice(front);
-                    queue.pop_front();
+        } else if queue.len() + usize::from(!rest.is_empty()) > 1
+            && rest.len() + queue[0].len() < 16 * 1024
+        {
+            // One write (one TLS record) for the small pieces at the front;
+            // the count below takes the head first, then the queue in order.
+            let mut joined = BytesMut::from(rest);
+            for b in queue.iter() {
+                if joined.len() + b.len() > 64 * 1024 {
+                    break;
                 }
-                queue.push_front(joined.freeze());
+                joined.extend_from_slice(b);
             }
+            ready!(Pin::new(&mut *io).poll_write(cx, &joined))?
+        } else if !rest.is_empty() {
+            ready!(Pin::new(&mut *io).poll_write(cx, rest))?
+        } else {
             ready!(Pin::new(&mut *io).poll_write(cx, &queue[0]))?
         };
         if n == 0 {
             return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
         }
-        let mut n = n;
+        let from_head = n.min(rest.len());
+        *head_at += from_head;
+        let mut n = n - from_head;
         while n > 0 {
             let front = &mut queue[0];
             if n >= front.len() {
@@ -785,6 +833,9 @@ mod tests {
         let mut conn = Conn {
             io: (),
             buf: BytesMut::new(),
+            head: BytesMut::new(),
+            head_at: 0,
+            queue: VecDeque::new(),
         };
         let mut reader = Reader::new(Framing::Chunked, true);
         let mut out = Collect::default();

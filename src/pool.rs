@@ -234,7 +234,7 @@ impl Client {
                     key: key.clone(),
                     pool: Arc::clone(&self.0),
                 };
-                let mut resp = Response::new(UpstreamBody::new(Src::H1(Box::new(driven))));
+                let mut resp = Response::new(UpstreamBody::new(Src::H1(driven)));
                 *resp.status_mut() = r.head.status;
                 *resp.version_mut() = r.head.version;
                 *resp.headers_mut() = r.head.headers;
@@ -342,7 +342,7 @@ enum Src {
     /// An HTTP/2 stream (hyper's connection task feeds it).
     H2(Incoming),
     /// An HTTP/1.1 connection this body reads and decodes itself.
-    H1(Box<Driven>),
+    H1(Driven),
     /// The HTTP/1.1 body was read to its end and its connection let go.
     Done,
 }
@@ -429,7 +429,7 @@ impl UpstreamBody {
         if let Src::H1(_) = self.src {
             if let Src::H1(d) = std::mem::replace(&mut self.src, Src::Done) {
                 let pool = Arc::clone(&d.pool);
-                pool.put(*d);
+                pool.put(d);
             }
         }
     }
