@@ -61,6 +61,7 @@ pub mod h1;
 pub mod inject;
 pub mod inspect;
 pub mod metrics;
+pub mod pick;
 pub mod pool;
 pub mod provider;
 pub mod proxy;

@@ -1,0 +1,536 @@
+//! Pick the members a provider reads out of one JSON text without parsing
+//! the rest: the tap's reader of usage.
+//!
+//! A response body is mostly content the tap never looks at (`choices`,
+//! `content`, `candidates`), and a full validating parse of it was the
+//! largest single cost of a tapped small request: about 11,000 of its
+//! 73,000 user-space instructions (callgrind, `examples/bench`'s small row,
+//! a 700-byte OpenAI chat body). Here a member whose name the provider does
+//! not read is skipped by its structure alone: strings to their closing
+//! quote, brackets counted, scalars to the next delimiter. Kept members
+//! are parsed strictly, into the same [`Node`] tree the providers read.
+//!
+//! What a skipped member is not checked for: the grammar inside it (`[1,,2]`
+//! or `{"a":}` pass where serde_json would fail). Unbalanced brackets, an
+//! unterminated string, a missing `:` or `,` between members, and anything
+//! after the value are still errors, so a body cut short or two bodies run
+//! together count as a parse error as before.
+
+use crate::provider::Node;
+
+/// The value in `bytes`, holding at every depth only the object members
+/// named in `keep` (arrays and kept values whole). `None`: not JSON.
+pub fn pick(bytes: &[u8], keep: &'static [&'static str]) -> Option<Node> {
+    let mut p = Picker {
+        b: bytes,
+        i: 0,
+        keep,
+    };
+    let v = p.value(0)?;
+    p.ws();
+    (p.i == p.b.len()).then_some(v)
+}
+
+/// How deep values may nest before the text is refused, as serde_json's
+/// recursion limit refuses it.
+const MAX_DEPTH: usize = 128;
+
+struct Picker<'a> {
+    b: &'a [u8],
+    i: usize,
+    keep: &'static [&'static str],
+}
+
+impl Picker<'_> {
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.b.get(self.i) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        self.ws();
+        (self.b.get(self.i) == Some(&c)).then(|| self.i += 1)
+    }
+
+    /// A kept value, parsed strictly.
+    fn value(&mut self, depth: usize) -> Option<Node> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.ws();
+        match *self.b.get(self.i)? {
+            b'{' => {
+                self.i += 1;
+                let mut members = Vec::new();
+                self.ws();
+                if self.b.get(self.i) == Some(&b'}') {
+                    self.i += 1;
+                    return Some(Node::Obj(members));
+                }
+                loop {
+                    self.ws();
+                    let key = self.key()?;
+                    self.eat(b':')?;
+                    match key {
+                        Some(k) => members.push((k, self.value(depth + 1)?)),
+                        None => self.skip(depth + 1)?,
+                    }
+                    self.ws();
+                    match *self.b.get(self.i)? {
+                        b',' => self.i += 1,
+                        b'}' => {
+                            self.i += 1;
+                            return Some(Node::Obj(members));
+                        }
+                        _ => return None,
+                    }
+                }
+            }
+            b'[' => {
+                self.i += 1;
+                let mut items = Vec::new();
+                self.ws();
+                if self.b.get(self.i) == Some(&b']') {
+                    self.i += 1;
+                    return Some(Node::Arr(items));
+                }
+                loop {
+                    items.push(self.value(depth + 1)?);
+                    self.ws();
+                    match *self.b.get(self.i)? {
+                        b',' => self.i += 1,
+                        b']' => {
+                            self.i += 1;
+                            return Some(Node::Arr(items));
+                        }
+                        _ => return None,
+                    }
+                }
+            }
+            b'"' => {
+                let start = self.i;
+                let escaped;
+                (self.i, escaped) = string_end(self.b, start)?;
+                let raw = &self.b[start..self.i];
+                let s = if escaped {
+                    serde_json::from_slice::<String>(raw).ok()?
+                } else {
+                    let s = std::str::from_utf8(&raw[1..raw.len() - 1]).ok()?;
+                    // Control characters must be escaped in JSON.
+                    if s.bytes().any(|c| c < 0x20) {
+                        return None;
+                    }
+                    s.to_owned()
+                };
+                Some(Node::Str(s))
+            }
+            b't' => self.literal(b"true", Node::Bool(true)),
+            b'f' => self.literal(b"false", Node::Bool(false)),
+            b'n' => self.literal(b"null", Node::Null),
+            b'-' | b'0'..=b'9' => self.number(),
+            _ => None,
+        }
+    }
+
+    fn literal(&mut self, word: &[u8], node: Node) -> Option<Node> {
+        let end = self.i + word.len();
+        (self.b.get(self.i..end)? == word).then(|| {
+            self.i = end;
+            node
+        })
+    }
+
+    /// A number as serde_json reads it: a non-negative integer that fits
+    /// u64 is a count; a negative one, a fraction, an exponent or an
+    /// integer past u64 is some other number.
+    fn number(&mut self) -> Option<Node> {
+        let b = self.b;
+        let start = self.i;
+        let mut i = start;
+        let neg = b[i] == b'-';
+        if neg {
+            i += 1;
+        }
+        let digits = |mut j: usize| {
+            while b.get(j).is_some_and(u8::is_ascii_digit) {
+                j += 1;
+            }
+            j
+        };
+        let int_end = digits(i);
+        let int = &b[i..int_end];
+        // No leading zeros, at least one digit.
+        if int.is_empty() || (int.len() > 1 && int[0] == b'0') {
+            return None;
+        }
+        i = int_end;
+        let mut whole = true;
+        if b.get(i) == Some(&b'.') {
+            let e = digits(i + 1);
+            if e == i + 1 {
+                return None;
+            }
+            i = e;
+            whole = false;
+        }
+        if let Some(b'e' | b'E') = b.get(i) {
+            i += 1;
+            if let Some(b'+' | b'-') = b.get(i) {
+                i += 1;
+            }
+            let e = digits(i);
+            if e == i {
+                return None;
+            }
+            i = e;
+            whole = false;
+        }
+        self.i = i;
+        // ASCII digits only: valid UTF-8.
+        let text = std::str::from_utf8(&b[start..i]).ok()?;
+        Some(match (whole, neg) {
+            (true, false) => text.parse::<u64>().map_or(Node::Number, Node::Count),
+            // Negative integers, -0 among them (serde_json reads it as a float).
+            _ => Node::Number,
+        })
+    }
+
+    /// A member name: which of `keep` it is, if any.
+    fn key(&mut self) -> Option<Option<&'static str>> {
+        if self.b.get(self.i) != Some(&b'"') {
+            return None;
+        }
+        let start = self.i;
+        let escaped;
+        (self.i, escaped) = string_end(self.b, start)?;
+        let raw = &self.b[start + 1..self.i - 1];
+        if !escaped {
+            return Some(self.keep.iter().copied().find(|k| k.as_bytes() == raw));
+        }
+        // An escaped name is compared as what it stands for; one that does
+        // not decode is no name the provider reads.
+        let name: Option<String> = serde_json::from_slice(&self.b[start..self.i]).ok();
+        Some(name.and_then(|n| self.keep.iter().copied().find(|k| *k == n)))
+    }
+
+    /// Step over a value the provider does not read, by its structure.
+    fn skip(&mut self, depth: usize) -> Option<()> {
+        self.ws();
+        let b = self.b;
+        match *b.get(self.i)? {
+            b'{' | b'[' => {
+                // Brackets must pair up by kind (a bit per level: set for
+                // `{`), strings are stepped over whole.
+                let (mut kinds, mut nested) = (0u128, 0u32);
+                loop {
+                    // Straight to the next bracket or quote.
+                    self.i = next_stop(b, self.i)?;
+                    match b[self.i] {
+                        c @ (b'{' | b'[') => {
+                            if depth + nested as usize > MAX_DEPTH {
+                                return None;
+                            }
+                            kinds = kinds << 1 | u128::from(c == b'{');
+                            nested += 1;
+                            self.i += 1;
+                        }
+                        c @ (b'}' | b']') => {
+                            if nested == 0 || (kinds & 1 == 1) != (c == b'}') {
+                                return None;
+                            }
+                            kinds >>= 1;
+                            nested -= 1;
+                            self.i += 1;
+                            if nested == 0 {
+                                return Some(());
+                            }
+                        }
+                        _ => self.i = string_end(b, self.i)?.0,
+                    }
+                }
+            }
+            b'"' => {
+                self.i = string_end(b, self.i)?.0;
+                Some(())
+            }
+            _ => {
+                // A scalar: up to the next delimiter, and not empty.
+                let start = self.i;
+                while let Some(&c) = b.get(self.i) {
+                    if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                        break;
+                    }
+                    self.i += 1;
+                }
+                (self.i > start).then_some(())
+            }
+        }
+    }
+}
+
+// Eight bytes at a time, in safe code: a byte of `x ^ (ONES * c)` is zero
+// where `x` holds `c`. In `zeros(v)` the lowest set high bit marks the first
+// zero byte exactly (a false mark can only sit above a true one), so the
+// first match of any of several masks is the lowest bit of their union.
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGH: u64 = 0x8080_8080_8080_8080;
+
+fn zeros(v: u64) -> u64 {
+    v.wrapping_sub(ONES) & !v & HIGH
+}
+
+fn word(b: &[u8], i: usize) -> Option<u64> {
+    let w: [u8; 8] = b.get(i..i + 8)?.try_into().ok()?;
+    Some(u64::from_le_bytes(w))
+}
+
+/// The index of the first quote or bracket at or after `i`.
+fn next_stop(b: &[u8], mut i: usize) -> Option<usize> {
+    while let Some(x) = word(b, i) {
+        // `x | 0x20` folds `[` into `{` and `]` into `}`, and nothing else into either.
+        let y = x | (ONES * 0x20);
+        let m = zeros(x ^ (ONES * u64::from(b'"')))
+            | zeros(y ^ (ONES * u64::from(b'{')))
+            | zeros(y ^ (ONES * u64::from(b'}')));
+        if m != 0 {
+            return Some(i + m.trailing_zeros() as usize / 8);
+        }
+        i += 8;
+    }
+    let k = b.get(i..)?.iter().position(|c| b"{}[]\"".contains(c))?;
+    Some(i + k)
+}
+
+/// The index of the first quote or backslash at or after `i`: eight bytes
+/// at a time over a string's first bytes (most are short), memchr past them.
+#[inline]
+fn next_quote_or_escape(b: &[u8], mut i: usize) -> Option<usize> {
+    let far = i + 64;
+    while let Some(x) = word(b, i) {
+        let m = zeros(x ^ (ONES * u64::from(b'"'))) | zeros(x ^ (ONES * u64::from(b'\\')));
+        if m != 0 {
+            return Some(i + m.trailing_zeros() as usize / 8);
+        }
+        i += 8;
+        if i >= far {
+            return Some(i + memchr::memchr2(b'"', b'\\', b.get(i..)?)?);
+        }
+    }
+    let k = b.get(i..)?.iter().position(|&c| c == b'"' || c == b'\\')?;
+    Some(i + k)
+}
+
+/// Index just past the closing quote of the string opening at `i`, and
+/// whether the string holds an escape.
+#[inline]
+fn string_end(b: &[u8], i: usize) -> Option<(usize, bool)> {
+    let mut j = i + 1;
+    let mut escaped = false;
+    loop {
+        let q = next_quote_or_escape(b, j)?;
+        if b[q] == b'"' {
+            return Some((q + 1, escaped));
+        }
+        escaped = true;
+        // An escape: step over the backslash and the character it escapes.
+        j = q + 2;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::Api;
+    use serde::de::DeserializeSeed;
+
+    /// The reference: what the tap read before, serde_json's validating
+    /// parse keeping the same members.
+    fn strict(bytes: &[u8], keep: &'static [&'static str]) -> Option<Node> {
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let v = Filter(keep).deserialize(&mut de).ok()?;
+        de.end().ok()?;
+        Some(v)
+    }
+
+    #[derive(Clone, Copy)]
+    struct Filter(&'static [&'static str]);
+
+    impl<'de> serde::de::DeserializeSeed<'de> for Filter {
+        type Value = Node;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Node, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> serde::de::Visitor<'de> for Filter {
+        type Value = Node;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Node, A::Error> {
+            let mut m = Vec::new();
+            while let Some(key) = map.next_key::<String>()? {
+                match self.0.iter().copied().find(|k| *k == key) {
+                    None => {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                    Some(k) => m.push((k, map.next_value_seed(self)?)),
+                }
+            }
+            Ok(Node::Obj(m))
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Node, A::Error> {
+            let mut v = Vec::new();
+            while let Some(e) = seq.next_element_seed(self)? {
+                v.push(e);
+            }
+            Ok(Node::Arr(v))
+        }
+        fn visit_bool<E>(self, b: bool) -> Result<Node, E> {
+            Ok(Node::Bool(b))
+        }
+        fn visit_i64<E>(self, n: i64) -> Result<Node, E> {
+            Ok(u64::try_from(n).map_or(Node::Number, Node::Count))
+        }
+        fn visit_u64<E>(self, n: u64) -> Result<Node, E> {
+            Ok(Node::Count(n))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Node, E> {
+            Ok(Node::Number)
+        }
+        fn visit_str<E>(self, s: &str) -> Result<Node, E> {
+            Ok(Node::Str(s.to_owned()))
+        }
+        fn visit_unit<E>(self) -> Result<Node, E> {
+            Ok(Node::Null)
+        }
+    }
+
+    #[test]
+    fn every_fixture_reads_the_same_as_a_full_parse() {
+        let mut seen = 0;
+        for api in [
+            Api::OpenAiChat,
+            Api::OpenAiResponses,
+            Api::Anthropic,
+            Api::Gemini,
+            Api::Ollama,
+        ] {
+            let keep = api.provider().reads();
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+            for entry in walk(&dir) {
+                let text = std::fs::read(&entry).unwrap();
+                // Whole documents, NDJSON lines and SSE data lines alike.
+                let mut pieces: Vec<&[u8]> = vec![&text];
+                for line in text.split(|&c| c == b'\n') {
+                    pieces.push(line.strip_prefix(b"data: ").unwrap_or(line));
+                }
+                for piece in pieces {
+                    let want = strict(piece, keep);
+                    if want.is_some() {
+                        seen += 1;
+                    }
+                    assert_eq!(pick(piece, keep), want, "{}", entry.display());
+                }
+            }
+        }
+        assert!(seen > 100, "only {seen} JSON texts in the fixtures");
+    }
+
+    fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn kept_values_are_parsed_strictly_and_the_rest_structurally() {
+        let keep: &'static [&'static str] = &["usage", "n", "s"];
+        let ok = |t: &str| pick(t.as_bytes(), keep);
+        // Kept values: the same as serde_json.
+        for t in [
+            r#"{"n":0}"#,
+            r#"{"n":-0}"#,
+            r#"{"n":18446744073709551615}"#,
+            r#"{"n":18446744073709551616}"#,
+            r#"{"n":-3}"#,
+            r#"{"n":1.5e3}"#,
+            r#"{"n":1E-2}"#,
+            r#"{"s":"a\"b\\c\u00e9\ud83d\ude00"}"#,
+            r#"{"us\u0061ge":{"n":7}}"#,
+            r#" [ {"n" : 1 } , {"x":[{"n":2}]} , null , true ] "#,
+            r#"{"usage":{"n":1},"usage":{"n":2}}"#,
+        ] {
+            assert_eq!(ok(t), strict(t.as_bytes(), keep), "{t}");
+            assert!(ok(t).is_some(), "{t}");
+        }
+        // Errors in kept values, or in the structure anywhere.
+        for t in [
+            r#"{"n":01}"#,
+            r#"{"n":1.}"#,
+            r#"{"n":-}"#,
+            r#"{"n":1e}"#,
+            r#"{"n":tru}"#,
+            "{\"s\":\"a\tb\"}",
+            r#"{"s":"\x"}"#,
+            r#"{"n":1"#,
+            r#"{"x":[1,2}"#,
+            r#"{"x":{"y":"}"}"#,
+            r#"{"x":"unterminated}"#,
+            r#"{"x":1 "n":2}"#,
+            r#"{"x" 1}"#,
+            r#"{"n":1} {"n":2}"#,
+            r#"{"n":1},"#,
+            r#"{"x":}"#,
+            "",
+            "   ",
+        ] {
+            assert_eq!(ok(t), None, "{t}");
+        }
+        // What is skipped is checked for structure only.
+        assert_eq!(
+            ok(r#"{"x":[1,,2],"n":3}"#),
+            Some(Node::Obj(vec![("n", Node::Count(3))]))
+        );
+        // Long strings (past the word-at-a-time part), escapes at every offset.
+        for pad in 0..80 {
+            let x = "a".repeat(pad);
+            let t = format!(r#"{{"x":"{x}\"]}}[","s":"{x}\"{x}","n":{pad}}}"#);
+            assert_eq!(ok(&t), strict(t.as_bytes(), keep), "{t}");
+            assert!(ok(&t).is_some(), "{t}");
+            let cut = format!(r#"{{"x":"{x}\"}}"#);
+            assert_eq!(ok(&cut), None, "{cut}");
+            let brackets = format!(r#"{{"x":[{x:?},{{"y":[[{x:?}]]}}],"n":1}}"#);
+            assert_eq!(
+                ok(&brackets),
+                strict(brackets.as_bytes(), keep),
+                "{brackets}"
+            );
+        }
+        // Escaped quotes and brackets inside skipped strings.
+        assert_eq!(
+            ok(r#"{"x":{"y":"a\"]}\\","z":["}"]},"n":4}"#),
+            Some(Node::Obj(vec![("n", Node::Count(4))]))
+        );
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_not_overflowed() {
+        let keep: &'static [&'static str] = &["a"];
+        let deep = format!("{}1{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(pick(deep.as_bytes(), keep), None);
+        // Nor is skipped nesting past the limit, as serde_json refuses it.
+        let skipped = format!("{{\"x\":{}1{}}}", "[".repeat(200), "]".repeat(200));
+        assert_eq!(pick(skipped.as_bytes(), keep), None);
+        let fine = format!("{{\"x\":{}1{}}}", "[".repeat(100), "]".repeat(100));
+        assert_eq!(pick(fine.as_bytes(), keep), Some(Node::Obj(vec![])));
+    }
+}
