@@ -132,18 +132,21 @@ impl Projection {
 
     /// The `x-context-projection` RFC 8941 item.
     pub fn header_value(&self) -> String {
-        use std::fmt::Write;
         let mut s = String::with_capacity(64);
-        let _ = write!(s, "{};src={}", self.tokens, self.src.as_str());
+        push_u64(&mut s, self.tokens);
+        s.push_str(";src=");
+        s.push_str(self.src.as_str());
         if let Some(w) = self.window.filter(|w| *w > 0) {
-            let _ = write!(s, ";window={w}");
+            s.push_str(";window=");
+            push_u64(&mut s, w);
             if let Some(u) = self.util() {
                 s.push_str(";util=");
                 push_decimal(&mut s, u);
             }
         }
         if let Some(t) = self.turns_left {
-            let _ = write!(s, ";turns-left={t}");
+            s.push_str(";turns-left=");
+            push_u64(&mut s, t);
         }
         s
     }
@@ -172,6 +175,11 @@ pub fn decimal(v: f64) -> String {
     s
 }
 
+/// `n` in decimal appended to `out`, without `core::fmt`.
+pub fn push_u64(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
+}
+
 /// [`decimal`] appended to `out`.
 pub fn push_decimal(out: &mut String, v: f64) {
     use std::fmt::Write;
@@ -182,7 +190,12 @@ pub fn push_decimal(out: &mut String, v: f64) {
     let x = v * 1000.0;
     if v.is_finite() && (0.0..1e15).contains(&x) && (x.fract() - 0.5).abs() > 1e-6 {
         let m = x.round() as u64;
-        let _ = write!(out, "{}.{:03}", m / 1000, m % 1000);
+        push_u64(out, m / 1000);
+        out.push('.');
+        let f = (m % 1000) as u32;
+        for d in [f / 100, f / 10 % 10, f % 10] {
+            out.push(char::from_digit(d, 10).unwrap_or('0'));
+        }
     } else {
         let _ = write!(out, "{v:.3}");
     }
