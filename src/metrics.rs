@@ -366,6 +366,29 @@ impl Metrics {
     /// shared: a response touches a dozen series, and every
     /// `with_label_values` hashes its labels under a lock.
     pub fn series(&self, api: &'static str, model: Option<&str>) -> Arc<Series> {
+        // A worker's requests nearly all name the same API and model: the
+        // last pair it asked for is kept on the thread, which spares the
+        // shared map's lock (and its cache line crossing cores) and three
+        // SipHash lookups per request. A model's label never changes once
+        // given, so the kept answer stays right (and there is one
+        // `Metrics`, [`get`]'s: `new` is private to it).
+        type Last = Option<(&'static str, Option<Box<str>>, Arc<Series>)>;
+        thread_local! {
+            static LAST: std::cell::RefCell<Last> = const { std::cell::RefCell::new(None) };
+        }
+        let kept = LAST.with_borrow(|last| match last {
+            Some((a, m, s)) if *a == api && m.as_deref() == model => Some(Arc::clone(s)),
+            _ => None,
+        });
+        if let Some(s) = kept {
+            return s;
+        }
+        let s = self.series_shared(api, model);
+        LAST.set(Some((api, model.map(Into::into), Arc::clone(&s))));
+        s
+    }
+
+    fn series_shared(&self, api: &'static str, model: Option<&str>) -> Arc<Series> {
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let (label, per_api) = slot(&mut models, model);
         if let Some(s) = per_api.iter().find(|s| s.api == api) {
