@@ -241,7 +241,7 @@ impl Body for ObservedBody {
                     let frame = match frame.into_data() {
                         Ok(data) => {
                             if let Some(r) = w.reader.as_mut() {
-                                r.feed(&data);
+                                r.feed_bytes(&data);
                             }
                             let ended = this.inner.is_end_stream();
                             let data = match w.stripper.as_mut() {

@@ -4,6 +4,8 @@
 
 use std::io::Write;
 
+use bytes::Bytes;
+
 use crate::provider::{Framing, Node, Observed, Provider};
 use crate::sse::{Event, SseScanner, MAX_EVENT_BYTES};
 
@@ -55,12 +57,29 @@ struct Sink {
     stopped: bool,
 }
 
+enum Document {
+    Empty,
+    One(Bytes),
+    Joined(Vec<u8>),
+}
+
+impl Document {
+    fn len(&self) -> usize {
+        match self {
+            Document::Empty => 0,
+            Document::One(b) => b.len(),
+            Document::Joined(v) => v.len(),
+        }
+    }
+}
+
 enum Frame {
     Sse(SseScanner),
     /// NDJSON: the unfinished line.
     Lines(Vec<u8>),
-    /// One JSON document, copied up to [`MAX_JSON_BYTES`].
-    Json(Vec<u8>),
+    /// One JSON document, up to [`MAX_JSON_BYTES`]: a body that arrives in
+    /// one frame is held as it came; one in several is joined into a copy.
+    Json(Document),
 }
 
 impl UsageReader {
@@ -70,7 +89,7 @@ impl UsageReader {
             frame: match framing {
                 Framing::Sse => Frame::Sse(SseScanner::new()),
                 Framing::Ndjson => Frame::Lines(Vec::new()),
-                Framing::Json => Frame::Json(Vec::new()),
+                Framing::Json => Frame::Json(Document::Empty),
             },
             observed: Observed::default(),
             parse_errors: 0,
@@ -105,12 +124,22 @@ impl UsageReader {
 
     /// Look at the next body chunk, exactly as the client receives it.
     pub fn feed(&mut self, chunk: &[u8]) {
+        self.feed_frame(chunk, None);
+    }
+
+    /// [`feed`](Self::feed) with the chunk's own `Bytes`: an uncompressed
+    /// JSON body that arrives whole is then held, not copied.
+    pub fn feed_bytes(&mut self, chunk: &Bytes) {
+        self.feed_frame(chunk, Some(chunk));
+    }
+
+    fn feed_frame(&mut self, chunk: &[u8], whole: Option<&Bytes>) {
         if chunk.is_empty() || self.sink().stopped {
             return;
         }
         let ok = match &mut self.decode {
             Decode::Identity(s) => {
-                s.take(chunk);
+                s.take_frame(chunk, whole);
                 true
             }
             Decode::Gzip(d) => d.write_all(chunk).is_ok(),
@@ -205,7 +234,7 @@ impl UsageReader {
 fn unreadable_sink(p: &'static dyn Provider) -> Sink {
     Sink {
         p,
-        frame: Frame::Json(Vec::new()),
+        frame: Frame::Json(Document::Empty),
         observed: Observed::default(),
         parse_errors: 1,
         decoded: 0,
@@ -228,12 +257,17 @@ impl Sink {
         if !self.stopped {
             self.stopped = true;
             self.parse_errors += 1;
-            self.frame = Frame::Json(Vec::new());
+            self.frame = Frame::Json(Document::Empty);
         }
     }
 
     /// Decoded bytes in.
     fn take(&mut self, buf: &[u8]) {
+        self.take_frame(buf, None);
+    }
+
+    /// Decoded bytes in; `whole`: the same bytes as a `Bytes` that may be kept.
+    fn take_frame(&mut self, buf: &[u8], whole: Option<&Bytes>) {
         if self.stopped {
             return;
         }
@@ -253,11 +287,24 @@ impl Sink {
                 sc.overflowed()
             }
             Frame::Lines(line) => feed_lines(p, line, buf, observed, errors),
-            Frame::Json(copy) => {
-                if copy.len() + buf.len() > MAX_JSON_BYTES {
+            Frame::Json(doc) => {
+                if doc.len() + buf.len() > MAX_JSON_BYTES {
                     true
                 } else {
-                    copy.extend_from_slice(buf);
+                    *doc = match (std::mem::replace(doc, Document::Empty), whole) {
+                        (Document::Empty, Some(b)) => Document::One(b.clone()),
+                        (Document::Empty, None) => Document::Joined(buf.to_vec()),
+                        (Document::One(first), _) => {
+                            let mut v = Vec::with_capacity(first.len() + buf.len());
+                            v.extend_from_slice(&first);
+                            v.extend_from_slice(buf);
+                            Document::Joined(v)
+                        }
+                        (Document::Joined(mut v), _) => {
+                            v.extend_from_slice(buf);
+                            Document::Joined(v)
+                        }
+                    };
                     false
                 }
             }
@@ -288,10 +335,11 @@ impl Sink {
                 let mut ignored = 0;
                 ndjson_line(p, &line, observed, &mut ignored);
             }
-            Frame::Json(copy) => {
-                let body = std::mem::take(copy);
-                json_document(p, &body, observed, errors);
-            }
+            Frame::Json(doc) => match std::mem::replace(doc, Document::Empty) {
+                Document::Empty => {}
+                Document::One(b) => json_document(p, &b, observed, errors),
+                Document::Joined(v) => json_document(p, &v, observed, errors),
+            },
         }
     }
 }
@@ -377,6 +425,42 @@ fn parse_read(p: &dyn Provider, bytes: &[u8]) -> Option<Node> {
 mod tests {
     use super::*;
     use crate::provider::Api;
+
+    #[test]
+    fn a_json_body_reads_alike_held_whole_or_joined_from_pieces() {
+        let body = include_bytes!("../tests/fixtures/openai-chat/nonstream_basic.json");
+        let p = Api::OpenAiChat.provider();
+        let read = |feed: &dyn Fn(&mut UsageReader)| {
+            let mut r = UsageReader::new(p, Framing::Json, None);
+            feed(&mut r);
+            r.finish()
+        };
+        let whole = read(&|r| r.feed_bytes(&Bytes::from_static(body)));
+        assert_eq!(whole.observed.usage.total_context, Some(2048));
+        assert_eq!(whole.parse_errors, 0);
+        for cut in [1, 100, body.len() - 1] {
+            let (a, b) = body.split_at(cut);
+            for joined in [
+                read(&|r| {
+                    r.feed_bytes(&Bytes::copy_from_slice(a));
+                    r.feed_bytes(&Bytes::copy_from_slice(b));
+                }),
+                read(&|r| {
+                    r.feed(a);
+                    r.feed_bytes(&Bytes::copy_from_slice(b));
+                }),
+            ] {
+                assert_eq!(format!("{joined:?}"), format!("{whole:?}"), "cut at {cut}");
+            }
+        }
+        // Cut short: a parse error whether held or joined.
+        let short = &body[..body.len() - 2];
+        assert_eq!(
+            read(&|r| r.feed_bytes(&Bytes::copy_from_slice(short))).parse_errors,
+            1
+        );
+        assert_eq!(read(&|r| r.feed(short)).parse_errors, 1);
+    }
 
     #[test]
     fn only_the_members_a_provider_reads_are_built() {
