@@ -2,7 +2,7 @@
 //! fixed sets; the one client-controlled label, `model`, is capped.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
@@ -43,7 +43,7 @@ pub struct Metrics {
     /// Kept so the registry is not empty of process info on platforms without it.
     pub up: Gauge,
     /// Model label values seen, each with its series per API.
-    models: Mutex<HashMap<String, Vec<Arc<Series>>>>,
+    models: Mutex<HashMap<String, Vec<&'static Series>>>,
     /// Per-API handles into the `[api]` families, by [`API_LABELS`] index.
     apis: [ApiSeries; API_LABELS.len()],
 }
@@ -108,12 +108,13 @@ macro_rules! series {
                 Series { api, model, requests_ok: OnceLock::new(), $($name: OnceLock::new(),)* }
             }
 
-            /// `tidemark_requests_total` of this series and `status`.
-            pub fn requests(&self, status: u16) -> IntCounter {
+            /// Count one request of this series ending with `status` in
+            /// `tidemark_requests_total`.
+            pub fn count_request(&self, status: u16) {
                 let make = || get().requests.with_label_values(&[self.api, &self.model, &status.to_string()]);
                 match status {
-                    200 => self.requests_ok.get_or_init(make).clone(),
-                    _ => make(),
+                    200 => self.requests_ok.get_or_init(make).inc(),
+                    _ => make().inc(),
                 }
             }
             $(
@@ -365,37 +366,41 @@ impl Metrics {
     /// [`model_label`](Self::model_label) says. Made once per pair and
     /// shared: a response touches a dozen series, and every
     /// `with_label_values` hashes its labels under a lock.
-    pub fn series(&self, api: &'static str, model: Option<&str>) -> Arc<Series> {
+    pub fn series(&self, api: &'static str, model: Option<&str>) -> &'static Series {
         // A worker's requests nearly all name the same API and model: the
         // last pair it asked for is kept on the thread, which spares the
         // shared map's lock (and its cache line crossing cores) and three
         // SipHash lookups per request. A model's label never changes once
         // given, so the kept answer stays right (and there is one
         // `Metrics`, [`get`]'s: `new` is private to it).
-        type Last = Option<(&'static str, Option<Box<str>>, Arc<Series>)>;
+        type Last = Option<(&'static str, Option<Box<str>>, &'static Series)>;
         thread_local! {
             static LAST: std::cell::RefCell<Last> = const { std::cell::RefCell::new(None) };
         }
         let kept = LAST.with_borrow(|last| match last {
-            Some((a, m, s)) if *a == api && m.as_deref() == model => Some(Arc::clone(s)),
+            Some((a, m, s)) if *a == api && m.as_deref() == model => Some(*s),
             _ => None,
         });
         if let Some(s) = kept {
             return s;
         }
         let s = self.series_shared(api, model);
-        LAST.set(Some((api, model.map(Into::into), Arc::clone(&s))));
+        LAST.set(Some((api, model.map(Into::into), s)));
         s
     }
 
-    fn series_shared(&self, api: &'static str, model: Option<&str>) -> Arc<Series> {
+    fn series_shared(&self, api: &'static str, model: Option<&str>) -> &'static Series {
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let (label, per_api) = slot(&mut models, model);
         if let Some(s) = per_api.iter().find(|s| s.api == api) {
-            return Arc::clone(s);
+            return s;
         }
-        let s = Arc::new(Series::new(api, label.to_string()));
-        per_api.push(Arc::clone(&s));
+        // Kept for the life of the process, as the map kept them before: a
+        // reference needs no count (a count shared by every worker is a
+        // cache line crossing cores twice a request). At most
+        // MAX_MODEL_LABELS + 2 labels times six APIs are ever made.
+        let s: &'static Series = Box::leak(Box::new(Series::new(api, label.to_string())));
+        per_api.push(s);
         s
     }
 
@@ -411,9 +416,9 @@ impl Metrics {
 /// "unknown" (no model named) takes a slot like any other value, so the
 /// label never holds more than MAX_MODEL_LABELS values plus "other".
 fn slot<'m, 'n>(
-    models: &'m mut HashMap<String, Vec<Arc<Series>>>,
+    models: &'m mut HashMap<String, Vec<&'static Series>>,
     model: Option<&'n str>,
-) -> (&'n str, &'m mut Vec<Arc<Series>>) {
+) -> (&'n str, &'m mut Vec<&'static Series>) {
     let name = model.unwrap_or("unknown");
     let name = match name.char_indices().nth(100) {
         Some((i, _)) => &name[..i],
@@ -465,9 +470,9 @@ mod tests {
     #[test]
     fn cached_request_counters_are_the_labelled_series() {
         let s = get().series("openai-chat", Some("metrics-unit-model"));
-        s.requests(200).inc();
-        s.requests(200).inc();
-        s.requests(429).inc();
+        s.count_request(200);
+        s.count_request(200);
+        s.count_request(429);
         let labelled = |code: &str| {
             get()
                 .requests

@@ -211,7 +211,7 @@ pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry")
 /// What the inspect phase learned about a request on a recognised API.
 struct Inspected {
     /// This (api, model)'s metric series; `series.model` is the model label.
-    series: Arc<metrics::Series>,
+    series: &'static metrics::Series,
     stream: bool,
     estimate: Estimate,
     begun: Begun,
@@ -275,8 +275,8 @@ async fn passthrough(
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m.series("other", None).requests(code);
-            watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
+            let series = m.series("other", None);
+            watch.on_finish = Some(Box::new(move |_f: Finish| series.count_request(code)));
             let body = ObservedBody::watched(
                 body.map_err(Into::into).boxed_unsync(),
                 watch,
@@ -948,8 +948,8 @@ async fn api_request(
     add_policy_headers(&mut rparts.headers, &ins, cfg.warn_at);
     let mut watch = Watch::new(start);
     let handles = m.api(api.as_str());
-    watch.ttfb = Some(handles.ttfb().clone());
-    watch.duration = Some(handles.request_duration().clone());
+    watch.ttfb = Some(handles.ttfb());
+    watch.duration = Some(handles.request_duration());
     if status.is_success() && cfg.tap {
         let ct = rparts
             .headers
@@ -1206,8 +1206,8 @@ async fn forward_unread(
             let (mut parts, body) = resp.into_parts();
             upstream::strip_hop_by_hop(&mut parts.headers);
             let mut watch = Watch::new(start);
-            let counter = m.series(api, None).requests(code);
-            watch.on_finish = Some(Box::new(move |_f: Finish| counter.inc()));
+            let series = m.series(api, None);
+            watch.on_finish = Some(Box::new(move |_f: Finish| series.count_request(code)));
             Response::from_parts(
                 parts,
                 ObservedBody::watched(
@@ -1298,13 +1298,12 @@ fn record(
     ins: Inspected,
 ) -> Box<dyn FnOnce(Finish) + Send> {
     let a = api.as_str();
-    let requests = ins.series.requests(status);
     // The callback outlives this request's borrow of the state.
     let state = Arc::clone(state);
     Box::new(move |f: Finish| {
-        requests.inc();
+        let s = ins.series;
+        s.count_request(status);
         let m = metrics::get();
-        let s = &ins.series;
         let read = f.read.unwrap_or_default();
         if read.parse_errors > 0 {
             m.usage_parse_errors.with_label_values(&[a]).inc();

@@ -37,8 +37,8 @@ pub struct Finish {
 /// Per-response observation state; dropped (and the callback fired) once.
 pub struct Watch {
     pub start: Instant,
-    pub ttfb: Option<Histogram>,
-    pub duration: Option<Histogram>,
+    pub ttfb: Option<&'static Histogram>,
+    pub duration: Option<&'static Histogram>,
     pub reader: Option<UsageReader>,
     pub stripper: Option<UsageStripper>,
     pub on_finish: Option<Box<dyn FnOnce(Finish) + Send>>,
