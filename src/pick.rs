@@ -522,6 +522,67 @@ mod tests {
         );
     }
 
+    fn any_json() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+        use proptest::prelude::*;
+        use serde_json::Value;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<u64>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            (-1e9f64..1e9).prop_map(Value::from),
+            "[a-z\"\\\\/{}\\[\\],:\u{e9}\u{1F600}\n\t\u{1} ]{0,40}".prop_map(Value::String),
+        ];
+        let key = prop_oneof![
+            Just("usage".to_string()),
+            Just("n".to_string()),
+            Just("s".to_string()),
+            "[a-z\"\\\\{}\\[\\] ]{0,10}",
+        ];
+        leaf.prop_recursive(6, 96, 8, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                proptest::collection::vec((key.clone(), inner), 0..8)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+        /// Any JSON, compact or pretty: read exactly as the serde reader
+        /// reads it; any cut short before its last byte: refused (an
+        /// object or array cannot end early); any one byte changed: never
+        /// read differently from serde when serde accepts it.
+        #[test]
+        fn any_json_reads_as_serde_reads_it(
+            v in any_json(),
+            pretty in proptest::prelude::any::<bool>(),
+            cut in proptest::prelude::any::<proptest::sample::Index>(),
+            at in proptest::prelude::any::<proptest::sample::Index>(),
+            byte in proptest::prelude::any::<u8>(),
+        ) {
+            let keep: &'static [&'static str] = &["usage", "n", "s"];
+            let text = if pretty {
+                serde_json::to_vec_pretty(&v).unwrap()
+            } else {
+                serde_json::to_vec(&v).unwrap()
+            };
+            let want = strict(&text, keep);
+            proptest::prop_assert!(want.is_some());
+            proptest::prop_assert_eq!(pick(&text, keep), want);
+            if v.is_object() || v.is_array() {
+                let short = &text[..cut.index(text.len())];
+                proptest::prop_assert_eq!(pick(short, keep), None);
+            }
+            let mut changed = text.clone();
+            changed[at.index(text.len())] = byte;
+            if let Some(w) = strict(&changed, keep) {
+                proptest::prop_assert_eq!(pick(&changed, keep), Some(w));
+            }
+        }
+    }
+
     #[test]
     fn deep_nesting_is_refused_not_overflowed() {
         let keep: &'static [&'static str] = &["a"];
