@@ -45,7 +45,8 @@
 //!    frame goes to the client as it arrives while `usage.rs` decompresses a
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
 //!    that cannot carry usage, and builds for the provider only the members
-//!    it reads (`Provider::reads`).
+//!    it reads (`Provider::reads`), stepping over the rest by structure
+//!    alone (`pick.rs`).
 //! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
 //!    hang-up, the session is anchored (or the loss is made loud) and the drift
 //!    is exported (`metrics.rs`, every metric name in one file).
