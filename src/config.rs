@@ -227,19 +227,15 @@ impl Upstream {
             return Err(format!("upstream `{s}` must not carry a query"));
         }
         let prefix = uri.path().trim_end_matches('/').to_string();
-        crate::upstream::host_value(&authority)
-            .ok_or_else(|| format!("upstream `{s}`: its host is not a valid header value"))?;
         // Every request clones the authority and `Host`. Made from a static
         // string (leaked once per configured upstream, a few bytes) they
         // clone without a reference count, which all workers would share.
         let text: &'static str = Box::leak(authority.as_str().into());
         let statik = || bytes::Bytes::from_static(text.as_bytes());
-        let (Ok(authority), Ok(host)) = (
-            http::uri::Authority::from_maybe_shared(statik()),
-            http::HeaderValue::from_maybe_shared(statik()),
-        ) else {
-            return Err(format!("upstream `{s}`: invalid host"));
-        };
+        let host = http::HeaderValue::from_maybe_shared(statik())
+            .map_err(|_| format!("upstream `{s}`: its host is not a valid header value"))?;
+        let authority = http::uri::Authority::from_maybe_shared(statik())
+            .map_err(|_| format!("upstream `{s}`: invalid host"))?;
         Ok(Upstream {
             scheme,
             authority,

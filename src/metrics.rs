@@ -398,7 +398,7 @@ impl Metrics {
         // Kept for the life of the process, as the map kept them before: a
         // reference needs no count (a count shared by every worker is a
         // cache line crossing cores twice a request). At most
-        // MAX_MODEL_LABELS + 2 labels times six APIs are ever made.
+        // MAX_MODEL_LABELS labels plus `other`, times six APIs are ever made.
         let s: &'static Series = Box::leak(Box::new(Series::new(api, label.to_string())));
         per_api.push(s);
         s

@@ -322,7 +322,10 @@ fn next_quote_or_escape(b: &[u8], mut i: usize) -> Option<usize> {
 }
 
 /// Index just past the closing quote of the string opening at `i`, and
-/// whether the string holds an escape.
+/// whether the string holds an escape. Not `estimate::json`'s finder, which
+/// jumps quote to quote through a history's long escaped strings: a
+/// response's strings are short, and the escape flag spares a second
+/// search of every member name.
 #[inline]
 fn string_end(b: &[u8], i: usize) -> Option<(usize, bool)> {
     let mut j = i + 1;

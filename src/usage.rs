@@ -294,12 +294,7 @@ impl Sink {
                     *doc = match (std::mem::replace(doc, Document::Empty), whole) {
                         (Document::Empty, Some(b)) => Document::One(b.clone()),
                         (Document::Empty, None) => Document::Joined(buf.to_vec()),
-                        (Document::One(first), _) => {
-                            let mut v = Vec::with_capacity(first.len() + buf.len());
-                            v.extend_from_slice(&first);
-                            v.extend_from_slice(buf);
-                            Document::Joined(v)
-                        }
+                        (Document::One(first), _) => Document::Joined([&first[..], buf].concat()),
                         (Document::Joined(mut v), _) => {
                             v.extend_from_slice(buf);
                             Document::Joined(v)
