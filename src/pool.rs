@@ -338,7 +338,12 @@ impl Shared {
         let mut map = self.idle().lock().unwrap();
         let list = map.entry(d.key).or_default();
         let now = Instant::now();
-        list.retain(|i| now.duration_since(i.since) <= self.idle_timeout);
+        // Pushed in time order (and taken from the end), so the oldest is
+        // first: only when it has timed out is the list swept.
+        let expired = |i: &Idle| now.duration_since(i.since) > self.idle_timeout;
+        if list.first().is_some_and(expired) {
+            list.retain(|i| !expired(i));
+        }
         if list.len() < self.max_idle_per_host {
             list.push(Idle {
                 h1: d.h1,
