@@ -270,7 +270,7 @@ pub struct Config {
     pub routes: Vec<Route>,
     pub upstream_ca: Option<PathBuf>,
     /// Lower-cased header names, in order of preference.
-    pub session_headers: Vec<String>,
+    pub session_headers: Vec<http::HeaderName>,
     pub fingerprint: bool,
     pub context_windows: Vec<WindowRule>,
     pub warn_at: f64,
@@ -340,10 +340,14 @@ impl Flags {
         if session_headers.is_empty() {
             session_headers.push("x-session-id".to_string());
         }
-        for h in &session_headers {
-            http::HeaderName::from_bytes(h.as_bytes())
-                .map_err(|_| format!("invalid session header name `{h}`"))?;
-        }
+        // Parsed once here, so a request's lookup does not parse the name.
+        let session_headers = session_headers
+            .iter()
+            .map(|h| {
+                http::HeaderName::from_bytes(h.as_bytes())
+                    .map_err(|_| format!("invalid session header name `{h}`"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut context_windows = Vec::new();
         for w in &self.context_windows {
             let (g, t) = w

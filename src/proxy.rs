@@ -266,10 +266,11 @@ async fn passthrough(
         None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
     };
     let m = metrics::get();
+    let sent = Instant::now();
     m.api("other")
         .proxy_overhead()
-        .observe(start.elapsed().as_secs_f64());
-    match send(state, up).await {
+        .observe(sent.saturating_duration_since(start).as_secs_f64());
+    match send(state, up, sent).await {
         Ok(resp) => {
             let code = resp.status().as_u16();
             let (mut parts, body) = resp.into_parts();
@@ -363,12 +364,15 @@ async fn read_body(body: Incoming, cfg: &Config) -> Result<Bytes, ProxyError> {
     }
 }
 
-/// Send upstream, bounded by `--upstream-timeout` (request sent to response headers).
+/// Send upstream, bounded by `--upstream-timeout` from `sent` (now, as the
+/// caller last read the clock) to the response headers.
 async fn send(
     state: &State,
     req: Request<UpBody>,
+    sent: Instant,
 ) -> Result<Response<UpstreamBody>, UpstreamError> {
-    match tokio::time::timeout(state.config.upstream_timeout, state.client.request(req)).await {
+    let deadline = tokio::time::Instant::from_std(sent) + state.config.upstream_timeout;
+    match tokio::time::timeout_at(deadline, state.client.request(req)).await {
         Ok(r) => r,
         Err(_) => Err(UpstreamError::Timeout),
     }
@@ -449,9 +453,15 @@ fn decode_request(encoding: Option<&str>, body: &Bytes, cap: usize) -> Option<By
 
 /// First 8 hex of the SHA-256 of the credential the request carries, or `none`.
 fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
-    let cred = ["authorization", "x-api-key", "x-goog-api-key", "api-key"]
+    const NAMES: [HeaderName; 4] = [
+        http::header::AUTHORIZATION,
+        HeaderName::from_static("x-api-key"),
+        HeaderName::from_static("x-goog-api-key"),
+        HeaderName::from_static("api-key"),
+    ];
+    let cred = NAMES
         .iter()
-        .find_map(|h| headers.get(*h).map(HeaderValue::as_bytes))
+        .find_map(|h| headers.get(h).map(HeaderValue::as_bytes))
         .or_else(|| {
             query.and_then(|q| {
                 q.split('&')
@@ -474,7 +484,7 @@ fn session_key(
     credential: &str,
 ) -> Option<String> {
     for h in &config.session_headers {
-        if let Some(v) = headers.get(h.as_str()).and_then(|v| v.to_str().ok()) {
+        if let Some(v) = headers.get(h).and_then(|v| v.to_str().ok()) {
             let v = v.trim();
             if !v.is_empty() {
                 let mut end = v.len().min(MAX_SESSION_KEY);
@@ -676,8 +686,8 @@ async fn api_request(
         let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
         let injected = edited.is_some();
         if let Some(up) = outgoing(&parts, upstream, &body, edited.as_ref(), injected) {
-            counted_sent(api, start, injected);
-            let mut sending = Box::pin(send(state, up));
+            let sent = counted_sent(api, start, injected);
+            let mut sending = Box::pin(send(state, up, sent));
             let first = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await;
             early = Some((sending, first, edited, injected));
         }
@@ -889,8 +899,8 @@ async fn api_request(
             else {
                 return reject(state, p, ins, &ProxyError::ClientBody);
             };
-            counted_sent(api, start, ins.injected);
-            send(state, up).await
+            let sent = counted_sent(api, start, ins.injected);
+            send(state, up, sent).await
         }
     };
 
@@ -917,7 +927,7 @@ async fn api_request(
                         full(retry),
                         ins.edited.is_some(),
                     ) {
-                        Some(up) => result = Box::pin(send(state, up)).await,
+                        Some(up) => result = Box::pin(send(state, up, Instant::now())).await,
                         None => return reject(state, p, ins, &ProxyError::ClientBody),
                     }
                 } else {
@@ -1074,14 +1084,17 @@ fn outgoing(
 }
 
 /// What a request leaving for the upstream counts.
-fn counted_sent(api: Api, start: Instant, injected: bool) {
+/// Returns when: the upstream timeout runs from there (one clock read for both).
+fn counted_sent(api: Api, start: Instant, injected: bool) -> Instant {
     let handles = metrics::get().api(api.as_str());
+    let now = Instant::now();
     handles
         .proxy_overhead()
-        .observe(start.elapsed().as_secs_f64());
+        .observe(now.saturating_duration_since(start).as_secs_f64());
     if injected {
         handles.usage_injected().inc();
     }
+    now
 }
 
 /// `--on-over trim`: cut the request down to `--trim-to` with the session's
@@ -1197,10 +1210,11 @@ async fn forward_unread(
     let Some(up) = build_upstream_request(&parts, upstream, full(body), false) else {
         return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
     };
+    let sent = Instant::now();
     m.api(api)
         .proxy_overhead()
-        .observe(start.elapsed().as_secs_f64());
-    match send(state, up).await {
+        .observe(sent.saturating_duration_since(start).as_secs_f64());
+    match send(state, up, sent).await {
         Ok(resp) => {
             let code = resp.status().as_u16();
             let (mut parts, body) = resp.into_parts();

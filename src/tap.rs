@@ -61,11 +61,23 @@ impl Watch {
     }
 
     fn finish(&mut self, completed: bool, upstream_failed: bool, idle_timeout: bool) {
+        self.finish_at(None, completed, upstream_failed, idle_timeout)
+    }
+
+    /// `finish` with the clock already read (`now`) by the caller.
+    fn finish_at(
+        &mut self,
+        now: Option<Instant>,
+        completed: bool,
+        upstream_failed: bool,
+        idle_timeout: bool,
+    ) {
         let Some(cb) = self.on_finish.take() else {
             return;
         };
         if let Some(h) = &self.duration {
-            h.observe(self.start.elapsed().as_secs_f64());
+            let now = now.unwrap_or_else(Instant::now);
+            h.observe(now.saturating_duration_since(self.start).as_secs_f64());
         }
         let read = self.reader.as_mut().map(|r| r.finish());
         cb(Finish {
@@ -90,13 +102,18 @@ pin_project! {
     pub struct ObservedBody {
         #[pin]
         inner: InnerBody,
+        // Armed at the first wait, not before: a body that is all there
+        // when first polled (a small response) makes no timer and reads no
+        // clock for it.
         #[pin]
         idle: Option<Sleep>,
-        idle_timeout: Duration,
-        // When the last frame arrived. The idle timer is not reset per frame
-        // (a timer-wheel operation under a lock); when it fires early it is
+        // None: not watched for silence (tidemark's own responses).
+        idle_timeout: Option<Duration>,
+        // When the current silence began: the first wait after a frame
+        // (None until then). The idle timer is not reset per frame (a
+        // timer-wheel operation under a lock); when it fires early it is
         // re-armed from here.
-        last_frame: tokio::time::Instant,
+        quiet_since: Option<tokio::time::Instant>,
         watch: Option<Box<Watch>>,
         done: bool,
         // An upstream error held back for one poll (see `poll_frame`).
@@ -124,8 +141,8 @@ impl ObservedBody {
         ObservedBody {
             inner,
             idle: None,
-            idle_timeout: Duration::ZERO,
-            last_frame: tokio::time::Instant::now(),
+            idle_timeout: None,
+            quiet_since: None,
             watch: None,
             done: false,
             deferred: None,
@@ -135,9 +152,9 @@ impl ObservedBody {
     pub fn watched(inner: InnerBody, watch: Watch, idle_timeout: Duration) -> Self {
         ObservedBody {
             inner,
-            idle: Some(tokio::time::sleep(idle_timeout)),
-            idle_timeout,
-            last_frame: tokio::time::Instant::now(),
+            idle: None,
+            idle_timeout: Some(idle_timeout),
+            quiet_since: None,
             watch: Some(Box::new(watch)),
             done: false,
             deferred: None,
@@ -177,8 +194,17 @@ impl Body for ObservedBody {
         loop {
             match this.inner.as_mut().poll_frame(cx) {
                 Poll::Pending => {
+                    let Some(timeout) = *this.idle_timeout else {
+                        return Poll::Pending;
+                    };
+                    let since = *this
+                        .quiet_since
+                        .get_or_insert_with(tokio::time::Instant::now);
+                    let due = since + timeout;
+                    if this.idle.is_none() {
+                        this.idle.set(Some(tokio::time::sleep_until(due)));
+                    }
                     if let Some(mut idle) = this.idle.as_mut().as_pin_mut() {
-                        let due = *this.last_frame + *this.idle_timeout;
                         if idle.as_mut().poll(cx).is_ready() && idle.deadline() < due {
                             // Frames came since it was armed: wait from the last one.
                             idle.as_mut().reset(due);
@@ -219,15 +245,19 @@ impl Body for ObservedBody {
                     // but not yet written. Hold the error back a moment so the
                     // bytes received before it reach the client first.
                     *this.deferred = Some(e);
+                    if this.idle_timeout.is_none() {
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                    let at = tokio::time::Instant::now() + ERROR_FLUSH_DELAY;
                     match this.idle.as_mut().as_pin_mut() {
-                        Some(mut idle) => {
-                            let at = tokio::time::Instant::now() + ERROR_FLUSH_DELAY;
-                            idle.as_mut().reset(at);
-                            if idle.poll(cx).is_ready() {
-                                return Poll::Ready(this.deferred.take().map(Err));
-                            }
+                        Some(idle) => idle.reset(at),
+                        None => this.idle.set(Some(tokio::time::sleep_until(at))),
+                    }
+                    if let Some(idle) = this.idle.as_mut().as_pin_mut() {
+                        if idle.poll(cx).is_ready() {
+                            return Poll::Ready(this.deferred.take().map(Err));
                         }
-                        None => cx.waker().wake_by_ref(),
                     }
                     return Poll::Pending;
                 }
@@ -235,9 +265,7 @@ impl Body for ObservedBody {
                     let Some(w) = this.watch.as_mut() else {
                         return Poll::Ready(Some(Ok(frame)));
                     };
-                    if this.idle.is_some() {
-                        *this.last_frame = tokio::time::Instant::now();
-                    }
+                    *this.quiet_since = None;
                     let frame = match frame.into_data() {
                         Ok(data) => {
                             if let Some(r) = w.reader.as_mut() {
@@ -258,17 +286,22 @@ impl Body for ObservedBody {
                                 }
                                 None => data,
                             };
-                            if !w.first_byte && !data.is_empty() {
+                            // One clock read serves the first byte and the
+                            // end (a small response is both at once).
+                            let first = !w.first_byte && !data.is_empty();
+                            let now = (first || ended).then(Instant::now);
+                            if first {
                                 w.first_byte = true;
-                                if let Some(h) = &w.ttfb {
-                                    h.observe(w.start.elapsed().as_secs_f64());
+                                if let (Some(h), Some(now)) = (&w.ttfb, now) {
+                                    let waited = now.saturating_duration_since(w.start);
+                                    h.observe(waited.as_secs_f64());
                                 }
                             }
                             w.bytes += data.len() as u64;
                             if ended {
                                 *this.done = true;
                                 if let Some(mut w) = this.watch.take() {
-                                    w.finish(true, false, false);
+                                    w.finish_at(now, true, false, false);
                                 }
                             }
                             Frame::data(data)

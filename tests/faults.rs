@@ -515,6 +515,62 @@ async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
     px.stop().await;
 }
 
+/// The idle timeout bounds each silence, not the stream: a stream whose
+/// events keep coming, each well within the timeout, runs past it whole
+/// (the timer is re-armed from the last frame rather than fired).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_keeps_coming_outlasts_the_idle_timeout() {
+    let whole = support::fixture("openai-chat/stream_basic_with_usage.sse");
+    let events: Vec<Bytes> = {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some(k) = memchr_find(&whole[at..], b"\n\n") {
+            out.push(whole.slice(at..at + k + 2));
+            at += k + 2;
+        }
+        out.push(whole.slice(at..));
+        out.retain(|e| !e.is_empty());
+        out
+    };
+    assert!(events.len() >= 4, "the fixture has events to space out");
+    let gap = Duration::from_millis(150);
+    let up = faulty::start(faulty::handler({
+        let events = events.clone();
+        move |_req| {
+            let (tx, body) = faulty::channel();
+            let events = events.clone();
+            tokio::spawn(async move {
+                for e in events {
+                    // The pace of the stream is what is under test.
+                    tokio::time::sleep(gap).await;
+                    if tx.send(Ok(e)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body)
+                .unwrap()
+        }
+    }))
+    .await;
+    let timeout = Duration::from_millis(400);
+    let px = support::proxy(&up.url(), &["--idle-timeout", "400ms"]).await;
+    let req = Request::post(px.url(CHAT))
+        .header("content-type", "application/json")
+        .body(full(chat_body(true)))
+        .unwrap();
+    let t = Instant::now();
+    let resp = within(10, client_h1().request(req)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let (got, errored) = drain(resp.into_body()).await;
+    assert!(t.elapsed() > timeout * 2, "the stream ran past the timeout");
+    assert!(!errored, "a stream with no long silence is not cut");
+    assert_eq!(got, whole.to_vec(), "every event arrived");
+    px.stop().await;
+}
+
 async fn closed_port() -> String {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
