@@ -195,6 +195,7 @@ impl Worker {
                 };
                 let _ = ready_tx.send(Ok(()));
                 crate::pool::set_worker(index);
+                let state = proxy::Local::new(state);
                 let over = rt.block_on(async move {
                     let graceful = GracefulShutdown::new();
                     while let Some((stream, permit)) = incoming.recv().await {
@@ -230,7 +231,7 @@ impl Worker {
 
 /// Serve one client connection on the current worker's loop.
 fn serve(
-    state: &Arc<State>,
+    state: &proxy::Local,
     builder: &auto::Builder<TokioExecutor>,
     graceful: &GracefulShutdown,
     stream: std::net::TcpStream,
@@ -244,10 +245,10 @@ fn serve(
         }
     };
     let (io, served) = FirstRequestDeadline::new(stream, state.config.header_read_timeout);
-    let st = Arc::clone(state);
+    let st = state.clone();
     let svc = service_fn(move |req: Request<Incoming>| {
         served.store(true, Ordering::Relaxed);
-        proxy::handle(Arc::clone(&st), req)
+        proxy::handle(st.clone(), req)
     });
     let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
     let conn = graceful.watch(conn);
