@@ -10,6 +10,8 @@
 //! rows, so the tap's cost is measured in the same run. `proxy us/req` is
 //! the proxy's own CPU time per request (its threads or nginx's worker
 //! processes, from /proc): steadier than requests/s on a shared machine.
+//! `of: user` is its user-space part: the kernel's part (sockets, wakeups)
+//! is much the same for any proxy, so this is where proxies differ.
 //! `--repeat N` takes N rounds, targets in turn, and reports medians. The
 //! last section (`--scenario beside`) runs slow streams beside cold 2 MB
 //! histories and reports the streams' time to first byte.
@@ -246,27 +248,29 @@ async fn load_with(
     }
 }
 
-/// CPU time (user + system) of this process's threads whose name starts
+/// CPU time (user, system) of this process's threads whose name starts
 /// with `prefix`, or of every process whose parent is `ppid` (nginx's
 /// workers), from /proc. Clock ticks are 10 ms; cells run for seconds.
-fn cpu_secs(prefix: &str, ppid: Option<u32>) -> f64 {
+fn cpu_secs(prefix: &str, ppid: Option<u32>) -> (f64, f64) {
     let tick = 100.0; // sysconf(_SC_CLK_TCK) on Linux
-    let fields = |stat: &str| -> Option<(u32, u64)> {
+    let fields = |stat: &str| -> Option<(u32, u64, u64)> {
         // comm may hold spaces: fields start after the last ')'.
         let rest = stat.get(stat.rfind(')')? + 2..)?;
         let f: Vec<&str> = rest.split_whitespace().collect();
         Some((
             f.get(1)?.parse().ok()?,
-            f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?,
+            f.get(11)?.parse::<u64>().ok()?,
+            f.get(12)?.parse::<u64>().ok()?,
         ))
     };
-    let mut ticks = 0u64;
+    let (mut user, mut sys) = (0u64, 0u64);
     if let Some(ppid) = ppid {
         for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             if let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) {
-                if let Some((pp, t)) = fields(&stat) {
+                if let Some((pp, u, s)) = fields(&stat) {
                     if pp == ppid {
-                        ticks += t;
+                        user += u;
+                        sys += s;
                     }
                 }
             }
@@ -280,12 +284,15 @@ fn cpu_secs(prefix: &str, ppid: Option<u32>) -> f64 {
             let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
             if comm.starts_with(prefix) {
                 if let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) {
-                    ticks += fields(&stat).map_or(0, |(_, t)| t);
+                    if let Some((_, u, s)) = fields(&stat) {
+                        user += u;
+                        sys += s;
+                    }
                 }
             }
         }
     }
-    ticks as f64 / tick
+    (user as f64 / tick, sys as f64 / tick)
 }
 
 fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::PathBuf)> {
@@ -522,8 +529,8 @@ fn main() {
     ];
     println!("tidemark bench: {secs}s per cell (median of {repeat}), upstream and load on 2-thread runtimes of their own, tidemark on its --workers threads, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     println!(
-        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12}",
-        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx", "proxy us/req"
+        "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12} {:>8}",
+        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx", "proxy us/req", "of: user"
     );
     targets.retain(|(t, _)| *t == "direct" || only.split(',').any(|o| t.contains(o)));
     for (name, path, body, conc, ttfb) in scenarios {
@@ -534,7 +541,7 @@ fn main() {
         // `--repeat N`: the targets take turns N times and each reports its
         // median cell, so a burst of load from a neighbour on this shared
         // machine lands on one cell of every target, not on all of one.
-        type Cells = Vec<(Stats, Option<f64>)>;
+        type Cells = Vec<(Stats, Option<(f64, f64)>)>;
         let mut runs: Vec<(&str, Cells)> = Vec::new();
         for round in 0..repeat {
             for (tname, base) in &targets {
@@ -548,10 +555,15 @@ fn main() {
                 // runtime that accepts for it (which also hosts the bare
                 // hyper proxy; one target is loaded at a time), or nginx's
                 // worker processes.
+                // (user + system, user): the kernel's share of a proxy's
+                // work is much the same for any proxy; user space is its own.
                 let cpu = || match *tname {
                     "direct" => None,
                     "nginx" => ngx.as_ref().map(|(c, _, _)| cpu_secs("", Some(c.id()))),
-                    _ => Some(cpu_secs("bench-tidemark", None) + cpu_secs("tidemark-w", None)),
+                    _ => {
+                        let (a, b) = (cpu_secs("bench-tidemark", None), cpu_secs("tidemark-w", None));
+                        Some((a.0 + b.0, a.1 + b.1))
+                    }
                 };
                 let before = cpu();
                 let s = gen.block_on(load_with(
@@ -562,7 +574,10 @@ fn main() {
                     ttfb,
                     name.starts_with("cold"),
                 ));
-                let used = cpu().zip(before).map(|(a, b)| (a - b) / s.n.max(1) as f64);
+                let n = s.n.max(1) as f64;
+                let used = cpu()
+                    .zip(before)
+                    .map(|(a, b)| ((a.0 + a.1 - b.0 - b.1) / n, (a.0 - b.0) / n));
                 match runs.iter_mut().find(|(t, _)| t == tname) {
                     Some((_, v)) => v.push((s, used)),
                     None => runs.push((*tname, vec![(s, used)])),
@@ -601,13 +616,13 @@ fn main() {
             let mut cpu: Vec<f64> = on
                 .iter()
                 .zip(off)
-                .filter_map(|((_, a), (_, b))| Some(a.as_ref()? - b.as_ref()?))
+                .filter_map(|((_, a), (_, b))| Some(a.as_ref()?.0 - b.as_ref()?.0))
                 .collect();
             lost.sort_by(f64::total_cmp);
             cpu.sort_by(f64::total_cmp);
             (lost[lost.len() / 2], cpu.get(cpu.len() / 2).copied(), lost)
         });
-        let results: Vec<(&str, Stats, Option<f64>)> = runs
+        let results: Vec<(&str, Stats, Option<(f64, f64)>)> = runs
             .into_iter()
             .map(|(t, mut v)| {
                 v.sort_by(|a, b| a.0.rps.total_cmp(&b.0.rps));
@@ -628,11 +643,12 @@ fn main() {
             let vs = nginx_rps
                 .map(|n| format!("{:.2}x", s.rps / n))
                 .unwrap_or_else(|| "-".into());
-            let cpu = cpu
-                .map(|c| format!("{:.1}", c * 1e6))
-                .unwrap_or_else(|| "-".into());
+            let (cpu, user) = match cpu {
+                Some((c, u)) => (format!("{:.1}", c * 1e6), format!("{:.1}", u * 1e6)),
+                None => ("-".into(), "-".into()),
+            };
             println!(
-                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9.2}x {:>9} {:>12}",
+                "{:<28} {:<9} {:>10.0} {:>10.3} {:>10.3} {:>9.2}x {:>9} {:>12} {:>8}",
                 name,
                 tname,
                 s.rps,
@@ -640,7 +656,8 @@ fn main() {
                 s.p99.as_secs_f64() * 1e3,
                 s.rps / direct_rps,
                 vs,
-                cpu
+                cpu,
+                user
             );
         }
         let rps_of = |t: &str| {
