@@ -530,7 +530,15 @@ fn main() {
     println!("tidemark bench: {secs}s per cell (median of {repeat}), upstream and load on 2-thread runtimes of their own, tidemark on its --workers threads, {} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     println!(
         "{:<28} {:<9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>12} {:>8}",
-        "scenario", "target", "req/s", "p50 ms", "p99 ms", "vs direct", "vs nginx", "proxy us/req", "of: user"
+        "scenario",
+        "target",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "vs direct",
+        "vs nginx",
+        "proxy us/req",
+        "of: user"
     );
     targets.retain(|(t, _)| *t == "direct" || only.split(',').any(|o| t.contains(o)));
     for (name, path, body, conc, ttfb) in scenarios {
@@ -561,7 +569,10 @@ fn main() {
                     "direct" => None,
                     "nginx" => ngx.as_ref().map(|(c, _, _)| cpu_secs("", Some(c.id()))),
                     _ => {
-                        let (a, b) = (cpu_secs("bench-tidemark", None), cpu_secs("tidemark-w", None));
+                        let (a, b) = (
+                            cpu_secs("bench-tidemark", None),
+                            cpu_secs("tidemark-w", None),
+                        );
                         Some((a.0 + b.0, a.1 + b.1))
                     }
                 };
