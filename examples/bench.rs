@@ -549,7 +549,9 @@ fn main() {
         // `--repeat N`: the targets take turns N times and each reports its
         // median cell, so a burst of load from a neighbour on this shared
         // machine lands on one cell of every target, not on all of one.
-        type Cells = Vec<(Stats, Option<(f64, f64)>)>;
+        // A cell's CPU per request: (user + system, user).
+        type Cpu = Option<(f64, f64)>;
+        type Cells = Vec<(Stats, Cpu)>;
         let mut runs: Vec<(&str, Cells)> = Vec::new();
         for round in 0..repeat {
             for (tname, base) in &targets {
@@ -633,7 +635,7 @@ fn main() {
             cpu.sort_by(f64::total_cmp);
             (lost[lost.len() / 2], cpu.get(cpu.len() / 2).copied(), lost)
         });
-        let results: Vec<(&str, Stats, Option<(f64, f64)>)> = runs
+        let results: Vec<(&str, Stats, Cpu)> = runs
             .into_iter()
             .map(|(t, mut v)| {
                 v.sort_by(|a, b| a.0.rps.total_cmp(&b.0.rps));

@@ -14,12 +14,14 @@
 //!    path is an API tidemark understands (`provider/`, one file per API).
 //!    Anything else streams through untouched (`proxy.rs::passthrough`).
 //! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
-//!    `--max-body-bytes` (413 beyond), decoded if compressed, and parsed into a
-//!    borrowed view of raw top-level JSON slices. Not JSON: forwarded as it
-//!    came, with no projection.
+//!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
+//!    once, strictly as serde_json would validate it, into a borrowed view of
+//!    raw top-level JSON slices and the elements of the arrays among them (a
+//!    history's messages). Not JSON: forwarded as it came, with no projection.
 //! 4. **Estimate** (`estimate/`): each message is tokenized once (bpe-openai,
 //!    the model family's encoding) and cached by an xxh3 of its bytes, so a
-//!    new turn costs only its own tokens; images are sized from their headers.
+//!    new turn costs only its own tokens (a long history is looked up a cache
+//!    shard at a time); images are sized from their headers.
 //!    More than 16 KiB not yet tokenized goes to tokio's blocking pool, so a
 //!    worker's other connections do not wait behind a cold history.
 //! 5. **Session** (`session.rs`, `window.rs`): a session key (header or

@@ -145,51 +145,12 @@ impl Picker<'_> {
     /// u64 is a count; a negative one, a fraction, an exponent or an
     /// integer past u64 is some other number.
     fn number(&mut self) -> Option<Node> {
-        let b = self.b;
         let start = self.i;
-        let mut i = start;
-        let neg = b[i] == b'-';
-        if neg {
-            i += 1;
-        }
-        let digits = |mut j: usize| {
-            while b.get(j).is_some_and(u8::is_ascii_digit) {
-                j += 1;
-            }
-            j
-        };
-        let int_end = digits(i);
-        let int = &b[i..int_end];
-        // No leading zeros, at least one digit.
-        if int.is_empty() || (int.len() > 1 && int[0] == b'0') {
-            return None;
-        }
-        i = int_end;
-        let mut whole = true;
-        if b.get(i) == Some(&b'.') {
-            let e = digits(i + 1);
-            if e == i + 1 {
-                return None;
-            }
-            i = e;
-            whole = false;
-        }
-        if let Some(b'e' | b'E') = b.get(i) {
-            i += 1;
-            if let Some(b'+' | b'-') = b.get(i) {
-                i += 1;
-            }
-            let e = digits(i);
-            if e == i {
-                return None;
-            }
-            i = e;
-            whole = false;
-        }
-        self.i = i;
+        let (end, whole) = number_end(self.b, start)?;
+        self.i = end;
         // ASCII digits only: valid UTF-8.
-        let text = std::str::from_utf8(&b[start..i]).ok()?;
-        Some(match (whole, neg) {
+        let text = std::str::from_utf8(&self.b[start..end]).ok()?;
+        Some(match (whole, self.b[start] == b'-') {
             (true, false) => text.parse::<u64>().map_or(Node::Number, Node::Count),
             // Negative integers, -0 among them (serde_json reads it as a float).
             _ => Node::Number,
@@ -269,6 +230,49 @@ impl Picker<'_> {
     }
 }
 
+/// The end of the JSON number starting at `i` (`-?(0|[1-9][0-9]*)`, then
+/// `(\.[0-9]+)?([eE][+-]?[0-9]+)?`), and whether it is an integer; `None`
+/// when the grammar is broken (a leading zero, a bare `-`, `.` or `e`).
+pub(crate) fn number_end(b: &[u8], mut i: usize) -> Option<(usize, bool)> {
+    let digits = |mut j: usize| {
+        while b.get(j).is_some_and(u8::is_ascii_digit) {
+            j += 1;
+        }
+        j
+    };
+    if b.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    let end = digits(i);
+    // At least one digit, and no leading zero.
+    if end == i || (b[i] == b'0' && end > i + 1) {
+        return None;
+    }
+    i = end;
+    let mut whole = true;
+    if b.get(i) == Some(&b'.') {
+        let end = digits(i + 1);
+        if end == i + 1 {
+            return None;
+        }
+        i = end;
+        whole = false;
+    }
+    if let Some(b'e' | b'E') = b.get(i) {
+        i += 1;
+        if let Some(b'+' | b'-') = b.get(i) {
+            i += 1;
+        }
+        let end = digits(i);
+        if end == i {
+            return None;
+        }
+        i = end;
+        whole = false;
+    }
+    Some((i, whole))
+}
+
 // Eight bytes at a time, in safe code: a byte of `x ^ (ONES * c)` is zero
 // where `x` holds `c`. In `zeros(v)` the lowest set high bit marks the first
 // zero byte exactly (a false mark can only sit above a true one), so the
@@ -342,7 +346,7 @@ fn string_end(b: &[u8], i: usize) -> Option<(usize, bool)> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::provider::Api;
     use serde::de::DeserializeSeed;
@@ -525,7 +529,8 @@ mod tests {
         );
     }
 
-    fn any_json() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+    /// Any JSON value, its strings and names rich in what a scanner trips on.
+    pub(crate) fn any_json() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
         use proptest::prelude::*;
         use serde_json::Value;
         let leaf = prop_oneof![

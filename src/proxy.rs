@@ -540,14 +540,14 @@ fn session_key(
             any = true;
             continue;
         }
-        // Elements up to and including the first user message, read no
-        // further (a long history is not scanned to its end).
-        let Some(elems) = crate::estimate::json::elements(raw.get()) else {
+        // Elements up to and including the first user message, hashed no
+        // further (a long history is not hashed to its end).
+        let Some(elems) = view.elements(f.name) else {
             h.update(raw.get().as_bytes());
             any = true;
             continue;
         };
-        for e in elems {
+        for e in elems.iter().map(|e| e.get()) {
             h.update(e.as_bytes());
             any = true;
             if is_user_message(e) {

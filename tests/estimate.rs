@@ -558,6 +558,39 @@ fn appending_a_turn_tokenizes_only_that_turn() {
     assert_eq!(e.stats().misses - before, 402);
 }
 
+/// A long history is looked up in a batch past its first elements; equal
+/// messages in it are still counted once and each counts whole, as one by one.
+#[test]
+fn a_long_history_with_repeated_messages_counts_each_and_tokenizes_once() {
+    let one = json!({"role":"user","content":"the same tool result, again: 日本語 🚀"});
+    let body = |n: usize| json!({"model":"gpt-4o","messages": vec![one.clone(); n]}).to_string();
+    let e = Estimator::new(64 << 20);
+    let single = e
+        .estimate_body(Api::OpenAiChat, body(1).as_bytes(), None)
+        .unwrap();
+    let before = e.stats();
+    let many = e
+        .estimate_body(Api::OpenAiChat, body(100).as_bytes(), None)
+        .unwrap();
+    let after = e.stats();
+    assert_eq!(
+        after.misses, before.misses,
+        "every copy was already counted"
+    );
+    assert_eq!(after.hits - before.hits, 100);
+    assert_eq!(after.tokenized_bytes, before.tokenized_bytes);
+    let per_message = single.tokens - 3; // less the reply's priming
+    assert_eq!(many.tokens, 100 * per_message + 3);
+    // From scratch, the copies past the first are found, not tokenized.
+    let fresh = Estimator::new(64 << 20);
+    assert_eq!(
+        fresh.estimate_body(Api::OpenAiChat, body(100).as_bytes(), None),
+        Some(many)
+    );
+    let s = fresh.stats();
+    assert_eq!((s.misses, s.hits), (1, 99));
+}
+
 #[test]
 fn a_bounded_estimate_stops_before_a_cold_history_and_agrees_once_warm() {
     let e = Estimator::new(64 << 20);

@@ -90,27 +90,57 @@ impl Cache {
     }
 
     fn shard(&self, key: u128) -> &Mutex<Shard> {
-        &self.shards[(key >> 64) as usize % SHARDS]
+        &self.shards[shard_of(key)]
     }
 
     pub fn get(&self, key: u128) -> Option<Counted> {
         let mut s = self.shard(key).lock().unwrap_or_else(|e| e.into_inner());
-        let found = match s.new.get(&key) {
-            Some(c) => Some(*c),
-            None => {
-                let c = s.old.remove(&key);
-                if let Some(c) = c {
-                    insert(&mut s, key, c, self.shard_budget);
-                }
-                c
-            }
-        };
+        let found = lookup(&mut s, key, self.shard_budget);
         if found.is_some() {
             s.hits += 1;
         } else {
             s.misses += 1;
         }
         found
+    }
+
+    /// [`Cache::get`] of many keys, one lock per shard rather than per key:
+    /// `found[i]` is set for each `keys[i]` present (and counted a hit).
+    /// Absent keys are left `None` and not counted: the caller's `get` of
+    /// each, just before counting it, counts the miss (or the hit, when an
+    /// equal element earlier in the same request was counted meanwhile).
+    pub fn get_many(&self, keys: &[u128], found: &mut Vec<Option<Counted>>) {
+        found.clear();
+        found.resize(keys.len(), None);
+        // Keys by shard (a counting sort), then each shard's keys under one lock.
+        let mut start = [0u32; SHARDS + 1];
+        for &k in keys {
+            start[shard_of(k) + 1] += 1;
+        }
+        for i in 0..SHARDS {
+            start[i + 1] += start[i];
+        }
+        let mut next = start;
+        let mut order = vec![0u32; keys.len()];
+        for (i, &k) in keys.iter().enumerate() {
+            let s = shard_of(k);
+            order[next[s] as usize] = i as u32;
+            next[s] += 1;
+        }
+        for (shard, lock) in self.shards.iter().enumerate() {
+            let mine = &order[start[shard] as usize..start[shard + 1] as usize];
+            if mine.is_empty() {
+                continue;
+            }
+            let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+            for &i in mine {
+                let c = lookup(&mut s, keys[i as usize], self.shard_budget);
+                if c.is_some() {
+                    s.hits += 1;
+                }
+                found[i as usize] = c;
+            }
+        }
     }
 
     /// Lookups so far: (hits, misses).
@@ -142,6 +172,24 @@ impl Cache {
                 s.new.len() + s.old.len()
             })
             .sum()
+    }
+}
+
+fn shard_of(key: u128) -> usize {
+    (key >> 64) as usize % SHARDS
+}
+
+/// A key's count, promoted from the old generation to the new when found there.
+fn lookup(s: &mut Shard, key: u128, budget: usize) -> Option<Counted> {
+    match s.new.get(&key) {
+        Some(c) => Some(*c),
+        None => {
+            let c = s.old.remove(&key);
+            if let Some(c) = c {
+                insert(s, key, c, budget);
+            }
+            c
+        }
     }
 }
 
@@ -196,6 +244,36 @@ mod tests {
         assert!(c.get(last).is_some());
         let first = 0u128;
         assert!(c.get(first).is_none());
+    }
+
+    #[test]
+    fn a_batch_finds_what_single_lookups_find_and_counts_only_hits() {
+        let c = Cache::new(1 << 20);
+        let keys: Vec<u128> = (0..500u128)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835))
+            .collect();
+        for (i, &k) in keys.iter().enumerate().filter(|(i, _)| i % 3 == 0) {
+            c.put(
+                k,
+                Counted {
+                    tokens: i as u32,
+                    chars: 1,
+                },
+            );
+        }
+        let mut found = Vec::new();
+        c.get_many(&keys, &mut found);
+        assert_eq!(found.len(), keys.len());
+        for (i, f) in found.iter().enumerate() {
+            match i % 3 {
+                0 => assert_eq!(f.map(|c| c.tokens), Some(i as u32), "key {i}"),
+                _ => assert_eq!(*f, None, "key {i}"),
+            }
+        }
+        // Hits counted, misses left to the caller's own `get`.
+        assert_eq!(c.lookups(), (167, 0));
+        assert_eq!(c.get(keys[1]), None);
+        assert_eq!(c.lookups(), (167, 1));
     }
 
     #[test]

@@ -1,108 +1,11 @@
-//! Small JSON helpers over borrowed raw text: split an array into its
-//! elements without parsing them (the hot path of a cached estimate), read
-//! one level of an object or array, and re-serialize a value compactly the way
+//! Small JSON helpers over borrowed raw text: read one level of an object
+//! or array, and re-serialize a value compactly the way
 //! a provider's own serializer would (no whitespace, no `\u` escapes for
 //! printable characters).
 
 use std::borrow::Cow;
 
 use serde_json::value::RawValue;
-
-/// The elements of a JSON array as raw slices of `s`, found by scanning
-/// brackets and strings. `s` must already be valid JSON (it comes from a
-/// parsed request view); `None` when it is not an array.
-pub fn split_array(s: &str) -> Option<Vec<&str>> {
-    let mut it = elements(s)?;
-    let v: Vec<&str> = it.by_ref().collect();
-    it.closed.then_some(v)
-}
-
-/// [`split_array`] one element at a time, for callers that stop early.
-pub fn elements(s: &str) -> Option<Elements<'_>> {
-    let b = s.as_bytes();
-    let i = skip_ws(b, 0);
-    (b.get(i) == Some(&b'[')).then_some(Elements {
-        s,
-        i: i + 1,
-        closed: false,
-        failed: false,
-    })
-}
-
-pub struct Elements<'a> {
-    s: &'a str,
-    i: usize,
-    /// The closing bracket was reached.
-    closed: bool,
-    failed: bool,
-}
-
-impl Elements<'_> {
-    /// The closing bracket was reached: every element was seen.
-    pub fn closed(&self) -> bool {
-        self.closed
-    }
-}
-
-impl<'a> Iterator for Elements<'a> {
-    type Item = &'a str;
-
-    fn next(&mut self) -> Option<&'a str> {
-        if self.closed || self.failed {
-            return None;
-        }
-        let (s, b) = (self.s, self.s.as_bytes());
-        let mut i = self.i;
-        let mut depth = 0usize;
-        let mut start: Option<usize> = None;
-        let mut end = i;
-        while i < b.len() {
-            match b[i] {
-                b'"' => {
-                    start.get_or_insert(i);
-                    let Some(e) = string_end(b, i) else {
-                        break;
-                    };
-                    i = e;
-                    end = i;
-                    continue;
-                }
-                b'{' | b'[' => {
-                    start.get_or_insert(i);
-                    depth += 1;
-                }
-                b'}' | b']' => {
-                    if depth == 0 {
-                        self.closed = true;
-                        return start.map(|st| &s[st..end]);
-                    }
-                    depth -= 1;
-                }
-                b',' if depth == 0 => {
-                    self.i = i + 1;
-                    match start {
-                        Some(st) => return Some(&s[st..end]),
-                        None => {
-                            i += 1;
-                            continue;
-                        }
-                    }
-                }
-                b' ' | b'\t' | b'\n' | b'\r' => {
-                    i += 1;
-                    continue;
-                }
-                _ => {
-                    start.get_or_insert(i);
-                }
-            }
-            i += 1;
-            end = i;
-        }
-        self.failed = true;
-        None
-    }
-}
 
 /// Index just past the closing quote of the string opening at `i`.
 fn string_end(b: &[u8], i: usize) -> Option<usize> {
@@ -236,31 +139,6 @@ pub fn compact(raw: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn elements_one_at_a_time() {
-        let s = r#"[ 1, {"a":[2,"]"]} , "x,]" ]"#;
-        let mut it = elements(s).unwrap();
-        assert_eq!(it.next(), Some("1"));
-        assert_eq!(it.next(), Some(r#"{"a":[2,"]"]}"#));
-        assert_eq!(it.next(), Some(r#""x,]""#));
-        assert_eq!(it.next(), None);
-        assert!(elements(r#"{"a":1}"#).is_none());
-        assert_eq!(elements("[\"open").unwrap().next(), None);
-    }
-
-    #[test]
-    fn split_matches_serde() {
-        let s = r#" [ {"a":"x,]}\"y"} , [1,[2]] ,"s\\" , 3, true ,null,{} ] "#;
-        let got = split_array(s).unwrap();
-        let want: Vec<&RawValue> = serde_json::from_str(s).unwrap();
-        let want: Vec<&str> = want.iter().map(|r| r.get()).collect();
-        assert_eq!(got, want);
-        assert_eq!(split_array("[]").unwrap(), Vec::<&str>::new());
-        assert_eq!(split_array(" [ ] ").unwrap(), Vec::<&str>::new());
-        assert!(split_array("{}").is_none());
-        assert!(split_array("[\"unterminated").is_none());
-    }
 
     #[test]
     fn compact_drops_whitespace_and_escapes() {

@@ -107,21 +107,38 @@ impl Estimator {
             };
             let raw = raw.get();
             let mut n = 0u64;
-            // Element by element, without collecting them first. A raw
-            // member is valid JSON, so its array closes; were it cut short,
-            // it would count whole, as a member that is not an array does.
-            if let Some(mut els) = json::elements(raw).filter(|_| per_element) {
+            // Element by element, as the view's scan found them.
+            if let Some(els) = req.elements(field).filter(|_| per_element) {
                 let mut part = Sum::default();
-                for el in els.by_ref() {
-                    part.add(self.unit(api, enc, model, images, unit, el, budget)?);
-                    n += 1;
+                // The first elements one by one; the rest of a long history
+                // is looked up in one batch, a lock per cache shard instead
+                // of per element (a lock each was half of a warm 400 KB
+                // estimate's own time, its cache line pulled between the
+                // workers).
+                let (first, rest) = els.split_at(els.len().min(ONE_BY_ONE));
+                for el in first {
+                    part.add(self.unit(api, enc, model, images, unit, el.get(), budget)?);
                 }
-                if els.closed() {
-                    sum.tokens += part.tokens + block_overhead(api, unit, n);
-                    sum.chars += part.chars;
-                    continue;
+                if !rest.is_empty() {
+                    let keys: Vec<u128> = rest
+                        .iter()
+                        .map(|el| unit_key(enc, unit, images, el.get()))
+                        .collect();
+                    let mut found = Vec::new();
+                    self.cache.get_many(&keys, &mut found);
+                    for ((el, key), f) in rest.iter().zip(keys).zip(found) {
+                        part.add(match f {
+                            Some(c) => c,
+                            None => {
+                                self.unit_keyed(api, enc, model, unit, key, el.get(), budget)?
+                            }
+                        });
+                    }
                 }
-                n = 0;
+                n = els.len() as u64;
+                sum.tokens += part.tokens + block_overhead(api, unit, n);
+                sum.chars += part.chars;
+                continue;
             }
             let unit = match (api, unit) {
                 // Responses `input` is a string or a list of items.
@@ -173,12 +190,12 @@ impl Estimator {
         }
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
-        let els = json::split_array(req.raw(field)?.get())?;
+        let els = req.elements(field)?;
         Some(
-            els.into_iter()
+            els.iter()
                 .map(|el| {
                     let mut unbounded = usize::MAX;
-                    let c = self.unit(api, enc, model, images, unit, el, &mut unbounded);
+                    let c = self.unit(api, enc, model, images, unit, el.get(), &mut unbounded);
                     c.map_or(0, |c| u64::from(c.tokens))
                 })
                 .collect(),
@@ -213,8 +230,22 @@ impl Estimator {
         raw: &str,
         budget: &mut usize,
     ) -> Option<Counted> {
-        let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
-        let key = xxh3_128_with_seed(raw.as_bytes(), seed);
+        let key = unit_key(enc, unit, image_class, raw);
+        self.unit_keyed(api, enc, model, unit, key, raw, budget)
+    }
+
+    /// [`Estimator::unit`] with its cache key already made.
+    #[allow(clippy::too_many_arguments)]
+    fn unit_keyed(
+        &self,
+        api: Api,
+        enc: Encoding,
+        model: Option<&str>,
+        unit: Unit,
+        key: u128,
+        raw: &str,
+        budget: &mut usize,
+    ) -> Option<Counted> {
         if let Some(c) = self.cache.get(key) {
             return Some(c);
         }
@@ -236,6 +267,18 @@ impl Estimator {
         self.cache.put(key, c);
         Some(c)
     }
+}
+
+/// Elements of an array counted one by one before the rest go in a batch:
+/// a short array (most requests' `tools`, a new conversation) does not pay
+/// for the batch's bookkeeping.
+const ONE_BY_ONE: usize = 32;
+
+/// A unit's cache key: its exact bytes, seeded with what else its count
+/// depends on (tokenizer, kind of unit, how images are priced).
+fn unit_key(enc: Encoding, unit: Unit, image_class: u64, raw: &str) -> u128 {
+    let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
+    xxh3_128_with_seed(raw.as_bytes(), seed)
 }
 
 /// How a model prices images, part of every cache key (its counts differ).
