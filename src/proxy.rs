@@ -1106,8 +1106,8 @@ fn outgoing(
     Some(up)
 }
 
-/// What a request leaving for the upstream counts.
-/// Returns when: the upstream timeout runs from there (one clock read for both).
+/// What a request leaving for the upstream counts. Returns the time it
+/// read: the upstream timeout runs from there (one clock read for both).
 fn counted_sent(api: Api, start: Instant, injected: bool) -> Instant {
     let handles = metrics::get().api(api.as_str());
     let now = Instant::now();
