@@ -292,58 +292,96 @@ impl<'a> Scan<'a> {
         let b = self.b;
         let mut i = self.i + 1;
         let mut escaped = false;
+        'words: loop {
+            let Some(w) = b.get(i..i + 8) else {
+                return self.string_tail(i, escaped);
+            };
+            // Every special byte of this word from one mask: an escape-dense
+            // string (code, JSON tool output) has several in a word.
+            let mut m = specials(w);
+            while m != 0 {
+                let k = m.trailing_zeros() as usize / 8;
+                let q = i + k;
+                match b[q] {
+                    b'"' => {
+                        self.i = q + 1;
+                        return Some(escaped);
+                    }
+                    b'\\' => {}
+                    c if c < 0x20 => return None,
+                    // A false mark above a true one already handled.
+                    _ => {
+                        m &= !(0xff << (k * 8));
+                        continue;
+                    }
+                }
+                escaped = true;
+                match *b.get(q + 1)? {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {}
+                    b'u' => {
+                        let hex = b.get(q + 2..q + 6)?;
+                        if !hex.iter().all(u8::is_ascii_hexdigit) {
+                            return None;
+                        }
+                        i = q + 6;
+                        continue 'words;
+                    }
+                    _ => return None,
+                }
+                // Past the escaped byte: the rest of this word, or the next.
+                if k + 2 >= 8 {
+                    i = q + 2;
+                    continue 'words;
+                }
+                m &= !0u64 << ((k + 2) * 8);
+            }
+            i += 8;
+        }
+    }
+
+    /// [`Scan::string`] over the last bytes of the body, one at a time.
+    fn string_tail(&mut self, mut i: usize, mut escaped: bool) -> Option<bool> {
+        let b = self.b;
         loop {
-            let q = next_special(b, i)?;
-            match b[q] {
+            match *b.get(i)? {
                 b'"' => {
-                    self.i = q + 1;
+                    self.i = i + 1;
                     return Some(escaped);
                 }
-                b'\\' => {}
-                _ => return None,
-            }
-            escaped = true;
-            i = match *b.get(q + 1)? {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => q + 2,
-                b'u' => {
-                    let hex = b.get(q + 2..q + 6)?;
-                    if !hex.iter().all(u8::is_ascii_hexdigit) {
-                        return None;
-                    }
-                    q + 6
+                b'\\' => {
+                    escaped = true;
+                    i = match *b.get(i + 1)? {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i + 2,
+                        b'u' => {
+                            let hex = b.get(i + 2..i + 6)?;
+                            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                                return None;
+                            }
+                            i + 6
+                        }
+                        _ => return None,
+                    };
                 }
-                _ => return None,
-            };
+                c if c < 0x20 => return None,
+                _ => i += 1,
+            }
         }
     }
 }
 
-/// The index of the first quote, backslash or control character at or
-/// after `i`, eight bytes at a time in safe code (inline: a history's
-/// strings are escape-dense, code and tool output, and a call per escape
-/// cost more than the search). A byte of `x ^ (ONES * c)` is zero where
-/// `x` holds `c`; `x - ONES * 0x20` borrows in a byte below 0x20, and `!x`
-/// keeps bytes of 0x80 and up out. A false mark can only sit above a true
-/// one, so the lowest mark of the union is the first match exactly.
-fn next_special(b: &[u8], mut i: usize) -> Option<usize> {
+/// Marks (the high bit of a byte) on the quotes, backslashes and control
+/// characters of an eight-byte word, in safe code. A byte of
+/// `x ^ (ONES * c)` is zero where `x` holds `c`; `x - ONES * 0x20` borrows
+/// in a byte below 0x20, and `!x` keeps bytes of 0x80 and up out. A false
+/// mark can only sit above a true one, so the lowest mark is always true.
+fn specials(w: &[u8]) -> u64 {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     let zeros = |v: u64| v.wrapping_sub(ONES) & !v & HIGH;
-    while let Some(w) = b.get(i..i + 8) {
-        let x = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
-        let m = zeros(x ^ (ONES * u64::from(b'"')))
-            | zeros(x ^ (ONES * u64::from(b'\\')))
-            | (x.wrapping_sub(ONES * 0x20) & !x & HIGH);
-        if m != 0 {
-            return Some(i + m.trailing_zeros() as usize / 8);
-        }
-        i += 8;
-    }
-    let k = b
-        .get(i..)?
-        .iter()
-        .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
-    Some(i + k)
+    let x = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
+    zeros(x ^ (ONES * u64::from(b'"')))
+        | zeros(x ^ (ONES * u64::from(b'\\')))
+        | (x.wrapping_sub(ONES * 0x20) & !x & HIGH)
 }
 
 #[cfg(test)]
