@@ -277,10 +277,10 @@ pub(crate) fn number_end(b: &[u8], mut i: usize) -> Option<(usize, bool)> {
 // where `x` holds `c`. In `zeros(v)` the lowest set high bit marks the first
 // zero byte exactly (a false mark can only sit above a true one), so the
 // first match of any of several masks is the lowest bit of their union.
-const ONES: u64 = 0x0101_0101_0101_0101;
-const HIGH: u64 = 0x8080_8080_8080_8080;
+pub(crate) const ONES: u64 = 0x0101_0101_0101_0101;
+pub(crate) const HIGH: u64 = 0x8080_8080_8080_8080;
 
-fn zeros(v: u64) -> u64 {
+pub(crate) fn zeros(v: u64) -> u64 {
     v.wrapping_sub(ONES) & !v & HIGH
 }
 
