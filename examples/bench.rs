@@ -12,7 +12,9 @@
 //! processes, from /proc): steadier than requests/s on a shared machine.
 //! `of: user` is its user-space part: the kernel's part (sockets, wakeups)
 //! is much the same for any proxy, so this is where proxies differ.
-//! `--repeat N` takes N rounds, targets in turn, and reports medians. The
+//! `--repeat N` takes N rounds, targets in turn, and reports medians, and
+//! tidemark's ratio to nginx round by round (the two cells of a round ran
+//! seconds apart, so the machine's drift moves both alike). The
 //! last section (`--scenario beside`) runs slow streams beside cold 2 MB
 //! histories and reports the streams' time to first byte.
 //!
@@ -635,6 +637,18 @@ fn main() {
             cpu.sort_by(f64::total_cmp);
             (lost[lost.len() / 2], cpu.get(cpu.len() / 2).copied(), lost)
         });
+        // tidemark against nginx the same way: each round's two cells ran
+        // within seconds of each other, so their ratio is steadier than the
+        // ratio of the two medians when nginx itself drifts by a third.
+        let vs_nginx = cells("tidemark").zip(cells("nginx")).map(|(t, n)| {
+            let mut r: Vec<f64> = t
+                .iter()
+                .zip(n)
+                .map(|((a, _), (b, _))| a.rps / b.rps)
+                .collect();
+            r.sort_by(f64::total_cmp);
+            r
+        });
         let results: Vec<(&str, Stats, Cpu)> = runs
             .into_iter()
             .map(|(t, mut v)| {
@@ -693,6 +707,19 @@ fn main() {
                 "",
                 lost * 100.0,
                 cpu.map_or("-".into(), |c| format!("{:+.1}", c * 1e6)),
+                all.join(" ")
+            );
+        }
+        if let Some(r) = vs_nginx.filter(|r| r.len() > 1) {
+            let mean = r.iter().sum::<f64>() / r.len() as f64;
+            let all: Vec<String> = r.iter().map(|x| format!("{x:.2}")).collect();
+            println!(
+                "{:<28} tidemark / nginx paired by round: median {:.3}x, mean {:.3}x, {} of {} rounds at or above 1 (sorted: {})",
+                "",
+                r[r.len() / 2],
+                mean,
+                r.iter().filter(|x| **x >= 1.0).count(),
+                r.len(),
                 all.join(" ")
             );
         }
