@@ -724,6 +724,38 @@ mod tests {
         }
     }
 
+    /// Every escape, good and bad, at every offset across the first blocks
+    /// of both searches, the string ending within the body's last block or
+    /// past it (where the block search hands over to the byte-wise tail).
+    #[test]
+    fn escapes_read_alike_at_every_offset() {
+        let escapes = [
+            "\\\"",
+            "\\\\",
+            "\\n",
+            "\\u00e9",
+            "\\uD83D\\uDE00",
+            "\\x",
+            "\\u12",
+            "\\u12G4",
+            "\\",
+            "\\\\\\\"",
+            "\u{1}",
+            "\u{e9}",
+        ];
+        for lead in 0..140 {
+            for e in escapes {
+                for tail in ["", "\"", "a\"", "\"}", &format!("b\"{}", "c".repeat(70))] {
+                    let text = format!("\"{}{e}{tail}", "a".repeat(lead));
+                    let want = serde_string(&text);
+                    assert_eq!(string_with::<Swar>(&text), want, "{text:?}");
+                    #[cfg(target_arch = "x86_64")]
+                    assert_eq!(string_with::<Sse2>(&text), want, "{text:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn names_and_strings_are_borrowed_unless_escaped() {
         let body = br#"{"mo\u0064el":"gpt-\u0034o","user":"plain"}"#;
