@@ -256,7 +256,11 @@ struct Conv<'a> {
 
 impl<'a> Conv<'a> {
     fn parse(api: Api, body: &'a [u8]) -> Option<Conv<'a>> {
-        serde_json::from_slice::<serde::de::IgnoredAny>(body).ok()?;
+        // serde's `from_slice` skips strings without checking their UTF-8,
+        // so a body with a stray byte inside a string would pass and be
+        // trimmed; it must be refused and forwarded untouched.
+        let text = simdutf8::basic::from_utf8(body).ok()?;
+        serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
         let top = Obj::parse(body, 0..body.len())?;
         let key = match api {
             Api::OpenAiChat | Api::Ollama | Api::Anthropic => "messages",

@@ -213,6 +213,22 @@ fn untrimmable_requests_are_left_alone() {
         let body = render(api, &fresh, false);
         assert!(run(api, &body, 10).is_none(), "{api:?}: fresh tool output");
         assert!(run(api, b"not json", 10).is_none());
+
+        // A trimmable body with one byte that is not UTF-8 inside an old
+        // message: not JSON, so forwarded untouched rather than trimmed.
+        let mut body = render(api, &agent_script(12, 2, 6000), false);
+        assert!(run(api, &body, count(&body) / 2).is_some(), "{api:?}");
+        let at = body.len() / 4;
+        let at = at
+            + body[at..]
+                .iter()
+                .position(|&b| b.is_ascii_lowercase())
+                .unwrap();
+        body[at] = 0x80;
+        assert!(
+            run(api, &body, count(&body) / 2).is_none(),
+            "{api:?}: a stray byte"
+        );
         assert!(run(api, br#"{"messages":[],"input":[],"contents":[]}"#, 0).is_none());
     }
     let body = br#"{"model":"gpt-5","input":"a very long string input that cannot be cut"}"#;
