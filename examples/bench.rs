@@ -14,7 +14,10 @@
 //! is much the same for any proxy, so this is where proxies differ.
 //! `--repeat N` takes N rounds, targets in turn, and reports medians, and
 //! tidemark's ratio to nginx round by round (the two cells of a round ran
-//! seconds apart, so the machine's drift moves both alike). The
+//! seconds apart, so the machine's drift moves both alike). On the
+//! 32-connection rows it also prints the share of request time spent in
+//! requests over 1 ms: requests/s is connections over mean latency, so a
+//! tail the p50 does not show costs throughput. The
 //! last section (`--scenario beside`) runs slow streams beside cold 2 MB
 //! histories and reports the streams' time to first byte.
 //!
@@ -146,6 +149,10 @@ struct Stats {
     n: usize,
     p50: Duration,
     p99: Duration,
+    /// The share of all request time spent in requests over 1 ms: with a
+    /// fixed number of connections requests/s is connections over mean
+    /// latency, so a tail the p50 does not show still costs throughput.
+    slow: f64,
 }
 
 fn pct(v: &mut [Duration], p: f64) -> Duration {
@@ -242,11 +249,14 @@ async fn load_with(
     }
     let elapsed = start.elapsed().as_secs_f64();
     let n = all.len();
+    let total: Duration = all.iter().sum();
+    let slow: Duration = all.iter().filter(|d| d.as_micros() > 1000).sum();
     Stats {
         rps: n as f64 / elapsed,
         n,
         p50: pct(&mut all, 0.5),
         p99: pct(&mut all, 0.99),
+        slow: slow.as_secs_f64() / total.as_secs_f64().max(f64::MIN_POSITIVE),
     }
 }
 
@@ -649,6 +659,17 @@ fn main() {
             r.sort_by(f64::total_cmp);
             r
         });
+        // The tail's share of request time, median over rounds (32-connection
+        // rows only: elsewhere a millisecond is the normal latency).
+        let tails: Vec<String> = runs
+            .iter()
+            .filter(|_| name.contains("32 conc"))
+            .map(|(t, cells)| {
+                let mut v: Vec<f64> = cells.iter().map(|(s, _)| s.slow).collect();
+                v.sort_by(f64::total_cmp);
+                format!("{t} {:.1}%", v[v.len() / 2] * 100.0)
+            })
+            .collect();
         let results: Vec<(&str, Stats, Cpu)> = runs
             .into_iter()
             .map(|(t, mut v)| {
@@ -721,6 +742,13 @@ fn main() {
                 r.iter().filter(|x| **x >= 1.0).count(),
                 r.len(),
                 all.join(" ")
+            );
+        }
+        if !tails.is_empty() {
+            println!(
+                "{:<28} time in requests over 1 ms (median over rounds): {}",
+                "",
+                tails.join(", ")
             );
         }
         for (tname, added) in added_ttfb {
