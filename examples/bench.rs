@@ -661,15 +661,14 @@ fn main() {
         });
         // The tail's share of request time, median over rounds (32-connection
         // rows only: elsewhere a millisecond is the normal latency).
-        let tails: Vec<String> = runs
-            .iter()
-            .filter(|_| name.contains("32 conc"))
-            .map(|(t, cells)| {
+        let mut tails: Vec<String> = Vec::new();
+        if conc == 32 {
+            for (t, cells) in &runs {
                 let mut v: Vec<f64> = cells.iter().map(|(s, _)| s.slow).collect();
                 v.sort_by(f64::total_cmp);
-                format!("{t} {:.1}%", v[v.len() / 2] * 100.0)
-            })
-            .collect();
+                tails.push(format!("{t} {:.1}%", v[v.len() / 2] * 100.0));
+            }
+        }
         let results: Vec<(&str, Stats, Cpu)> = runs
             .into_iter()
             .map(|(t, mut v)| {
