@@ -2,7 +2,7 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--session-per-conn] [--workers N]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--warmup 0.3] [--session-per-conn] [--workers N]
 //!
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
@@ -12,7 +12,9 @@
 //! processes, from /proc): steadier than requests/s on a shared machine.
 //! `of: user` is its user-space part: the kernel's part (sockets, wakeups)
 //! is much the same for any proxy, so this is where proxies differ.
-//! `--repeat N` takes N rounds, targets in turn, and reports medians, and
+//! Each cell follows `--warmup SECS` (0.3) of the same load, unmeasured.
+//! `--repeat N` takes N rounds, targets in turn (each round starting one
+//! target further along), and reports medians, and
 //! tidemark's ratio to nginx round by round (the two cells of a round ran
 //! seconds apart, so the machine's drift moves both alike). On the
 //! 32-connection rows it also prints the share of request time spent in
@@ -405,6 +407,11 @@ fn main() {
     };
     let (only, scenario) = (arg("--only"), arg("--scenario"));
     let repeat: usize = arg("--repeat").parse().unwrap_or(1).max(1);
+    // `--warmup SECS`: unmeasured load on a target right before each of its
+    // cells. A cell that follows another target's ran slower for a moment
+    // (a longer tail, 5-8% fewer requests/s, gone within a second), so
+    // without it whichever target came second paid for the switch.
+    let warmup: f64 = arg("--warmup").parse().unwrap_or(0.3);
     let up_rt = runtime(2, "bench-upstream");
     let up = up_rt.block_on(upstream());
 
@@ -557,22 +564,32 @@ fn main() {
         if !name.contains(scenario.as_str()) {
             continue;
         }
-        // Warm up the pools and the estimator's cache once per target.
-        // `--repeat N`: the targets take turns N times and each reports its
-        // median cell, so a burst of load from a neighbour on this shared
-        // machine lands on one cell of every target, not on all of one.
+        // Every cell is preceded by `--warmup` seconds of the same load,
+        // unmeasured (pools, the estimator's cache, and the switch from the
+        // previous target). `--repeat N`: the targets take turns N times and
+        // each reports its median cell, so a burst of load from a neighbour
+        // on this shared machine lands on one cell of every target, not on
+        // all of one; round r starts r targets further along, so no target
+        // always follows the same one.
         // A cell's CPU per request: (user + system, user).
         type Cpu = Option<(f64, f64)>;
         type Cells = Vec<(Stats, Cpu)>;
         let mut runs: Vec<(&str, Cells)> = Vec::new();
         for round in 0..repeat {
-            for (tname, base) in &targets {
+            let mut order: Vec<_> = targets.iter().collect();
+            let turn = round % order.len();
+            order.rotate_left(turn);
+            for (tname, base) in order {
                 if *tname == "tap-off" && !name.ends_with("32 conc") {
                     continue;
                 }
-                if round == 0 {
-                    gen.block_on(load(format!("{base}{path}"), body.clone(), conc, 0.3, ttfb));
-                }
+                gen.block_on(load(
+                    format!("{base}{path}"),
+                    body.clone(),
+                    conc,
+                    warmup,
+                    ttfb,
+                ));
                 // The proxy's own CPU: tidemark's worker threads and the
                 // runtime that accepts for it (which also hosts the bare
                 // hyper proxy; one target is loaded at a time), or nginx's
