@@ -2,7 +2,7 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--warmup 0.3] [--session-per-conn] [--workers N]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--warmup 0.3] [--session-per-conn] [--workers N] [--nginx-one-process]
 //!
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
@@ -321,8 +321,16 @@ fn nginx(upstream: SocketAddr) -> Option<(std::process::Child, u16, std::path::P
     let dir = std::env::temp_dir().join(format!("tidemark-bench-nginx-{port}"));
     std::fs::create_dir_all(&dir).ok()?;
     let conf = format!(
-        "worker_processes 2;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n  client_max_body_size 64m;\n  client_body_buffer_size 1m;\n  upstream up {{ server {u}; keepalive 256; }}\n  server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://up;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n      proxy_request_buffering off;\n    }}\n  }}\n}}\n",
+        "{mp}worker_processes 2;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\nevents {{ worker_connections 4096; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n  client_max_body_size 64m;\n  client_body_buffer_size 1m;\n  upstream up {{ server {u}; keepalive 256; }}\n  server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://up;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n      proxy_request_buffering off;\n    }}\n  }}\n}}\n",
         d = dir.display(),
+        // `--nginx-one-process`: nginx serves from its master process. For
+        // callgrind (scripts/instructions.sh), which wrote no profile for
+        // the forked workers.
+        mp = if std::env::args().any(|a| a == "--nginx-one-process") {
+            "master_process off;\n"
+        } else {
+            ""
+        },
         u = upstream
     );
     let path = dir.join("nginx.conf");
