@@ -13,8 +13,8 @@
 # threads, or nginx's one process (`--nginx-one-process`). Valgrind hides
 # the SHA-NI instructions, so SHA-256 (credential hash and session
 # fingerprint) runs in software here and costs several times what it does
-# on the hardware: its share is printed apart. Takes 3-4 minutes after the
-# build.
+# on the hardware: its share is printed apart. About 2 minutes for the
+# four targets after the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
