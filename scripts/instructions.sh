@@ -4,8 +4,9 @@
 # where requests/s on this shared 2-core box swings by 5-10% from run to run.
 # A change too small for examples/bench to see shows here.
 #
-#     bash scripts/instructions.sh [tidemark,tap-off,untapped,nginx]
+#     bash scripts/instructions.sh [tidemark,tap-off,untapped,nginx] [small|stream]
 #
+# `stream` counts the 20-chunk stream rows instead of the small ones.
 # Each target runs twice under callgrind, for SHORT (3) and LONG (9)
 # seconds; instructions per request are the difference of the two runs'
 # totals over the difference of their requests, so start-up (the tokenizer's
@@ -20,6 +21,12 @@ cd "$(dirname "$0")/.."
 
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind >/dev/null; }
 want=${1:-tidemark,tap-off,untapped,nginx}
+row=${2:-small}
+case $row in
+    small) rows=('small non-stream, 32' 'small non-stream, untapped') ;;
+    stream) rows=('20-chunk stream, 32' '20-chunk stream, untapped') ;;
+    *) echo "row: small or stream, not $row" >&2; exit 2 ;;
+esac
 if [[ ,$want, == *,nginx,* ]] && ! command -v nginx >/dev/null; then
     apt-get install -y -qq nginx-light >/dev/null
 fi
@@ -36,7 +43,7 @@ run() {
         "$bin" --secs "$3" --warmup 0 --scenario "$1" --only "$2" --nginx-one-process \
         >run.log 2>vg.err)
     local rps ins=0 sha=0 f n
-    rps=$(grep '^small' "$dir/run.log" | awk -v t="$2" '{for (i = 1; i < NF; i++) if ($i == t) print $(i + 1)}')
+    rps=$(grep "^${1%%,*}" "$dir/run.log" | awk -v t="$2" '{for (i = 1; i < NF; i++) if ($i == t) print $(i + 1)}')
     for f in "$dir"/callgrind.out.*; do
         if [[ $2 == nginx ]]; then
             grep -q '^cmd:.*nginx -c' "$f" || continue
@@ -60,8 +67,8 @@ run() {
 printf '%-10s %-28s %10s %18s\n' target scenario instr/req 'of which SHA-256'
 for t in ${want//,/ }; do
     case $t in
-        untapped) scenario='small non-stream, untapped' target=tidemark ;;
-        *) scenario='small non-stream, 32' target=$t ;;
+        untapped) scenario=${rows[1]} target=tidemark ;;
+        *) scenario=${rows[0]} target=$t ;;
     esac
     read -r n1 i1 s1 < <(run "$scenario" "$target" "$short")
     read -r n2 i2 s2 < <(run "$scenario" "$target" "$long")
