@@ -4,6 +4,8 @@
 # where requests/s on this shared 2-core box swings by 5-10% from run to run.
 # A change too small for examples/bench to see shows here.
 #
+#     BENCH=/tmp/bench.old bash scripts/instructions.sh tidemark
+#
 #     bash scripts/instructions.sh [tidemark,tap-off,untapped,nginx] [small|stream]
 #
 # `stream` counts the 20-chunk stream rows instead of the small ones.
@@ -30,8 +32,14 @@ esac
 if [[ ,$want, == *,nginx,* ]] && ! command -v nginx >/dev/null; then
     apt-get install -y -qq nginx-light >/dev/null
 fi
-cargo build --release --example bench
-bin=$PWD/target/release/examples/bench
+# BENCH=path counts a bench binary kept from another build (two builds
+# compared in turn) instead of building this tree's.
+if [[ -n ${BENCH:-} ]]; then
+    bin=$(realpath "$BENCH")
+else
+    cargo build --release --example bench
+    bin=$PWD/target/release/examples/bench
+fi
 short=${SHORT:-3}
 long=${LONG:-9}
 
