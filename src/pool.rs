@@ -30,7 +30,6 @@
 //! An upstream that offers HTTP/2 by ALPN gets one multiplexed connection
 //! (hyper's own task, as h2 needs) shared by all requests to it.
 
-use std::collections::HashMap;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -90,6 +89,10 @@ struct Idle {
     since: Instant,
 }
 
+// foldhash: the key is hashed twice a request (checkout and return), and
+// std's SipHash of its folded u64 cost more than the rest of the lookup.
+type HashMap<K, V> = foldhash::HashMap<K, V>;
+
 type IdlePool = Mutex<HashMap<Key, Vec<Idle>>>;
 
 struct Shared {
@@ -126,9 +129,9 @@ impl Client {
         Client(Arc::new(Shared {
             connector,
             idle: (0..workers.max(1))
-                .map(|_| Mutex::new(HashMap::new()))
+                .map(|_| Mutex::new(HashMap::default()))
                 .collect(),
-            h2: Mutex::new(HashMap::new()),
+            h2: Mutex::new(HashMap::default()),
             max_idle_per_host,
             idle_timeout,
         }))
