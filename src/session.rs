@@ -574,12 +574,16 @@ impl Sessions {
         usize,
         bool,
     ) {
-        let exists = self
-            .map
-            .get(key)
-            .is_some_and(|v| v.iter().any(|r| *r.credential == *credential));
-        if !exists && self.count.load(Ordering::Relaxed) >= self.cap {
-            self.evict();
+        // Only at the cap does it matter whether the record exists before
+        // the lookup below (a second lookup, hash and shard lock each).
+        if self.count.load(Ordering::Relaxed) >= self.cap {
+            let exists = self
+                .map
+                .get(key)
+                .is_some_and(|v| v.iter().any(|r| *r.credential == *credential));
+            if !exists {
+                self.evict();
+            }
         }
         let mut slot = match self.map.get_mut(key) {
             Some(s) => s,
