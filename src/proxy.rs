@@ -282,10 +282,11 @@ async fn passthrough(
     upstream: &Upstream,
     start: Instant,
 ) -> Response<ObservedBody> {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let shape = shape_provider(parts.uri.path());
     let body: UpBody = body.boxed_unsync();
-    let up = match build_upstream_request(&parts, upstream, body, false) {
+    let headers = std::mem::take(&mut parts.headers);
+    let up = match build_upstream_request(&parts, headers, upstream, body, false) {
         Some(r) => r,
         None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
     };
@@ -406,6 +407,7 @@ async fn send(
 /// kept, headers minus hop-by-hop and `Host` (the client sets the upstream's).
 fn build_upstream_request(
     parts: &http::request::Parts,
+    mut headers: HeaderMap,
     upstream: &Upstream,
     body: UpBody,
     edited: bool,
@@ -423,7 +425,6 @@ fn build_upstream_request(
         .path_and_query(pq)
         .build()
         .ok()?;
-    let mut headers = parts.headers.clone();
     upstream::strip_hop_by_hop(&mut headers);
     // The upstream's own `Host` (an HTTP/2 upstream gets `:authority`).
     headers.insert(http::header::HOST, upstream.host.clone());
@@ -677,7 +678,7 @@ async fn api_request(
     let m = metrics::get();
     let api = p.api();
     let cfg = &state.config;
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
     let path = parts.uri.path();
 
     // inspect: read the body whole, capped.
@@ -704,10 +705,14 @@ async fn api_request(
             return error_response(&err, p, cfg.max_body_bytes);
         }
     };
+    // Owned (rarely there): the request's headers may go upstream before
+    // it is used again.
     let encoding = parts
         .headers
         .get(CONTENT_ENCODING)
-        .and_then(|v| v.to_str().ok());
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let encoding = encoding.as_deref();
     let decoded = decode_request(encoding, &body, cfg.max_body_bytes.saturating_mul(8));
     let view = decoded.as_deref().and_then(RequestView::parse);
     let Some(view) = view else {
@@ -732,6 +737,10 @@ async fn api_request(
     let credential = credential_hash(&parts.headers, query);
     let key = session_key(cfg, &parts.headers, p, &view, &credential);
     let continues = p.continues(&view);
+    let reset = parts
+        .headers
+        .get(X_CONTEXT_RESET)
+        .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
     // Forwarded before it is projected, the request takes its place in the
     // session's order now, so two in flight keep the order they came in.
     // (With --state redis the order is Redis's, taken when it is asked.)
@@ -749,7 +758,13 @@ async fn api_request(
     if forward_first {
         let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
         let injected = edited.is_some();
-        if let Some(up) = outgoing(&parts, upstream, &body, edited.as_ref(), injected) {
+        // The headers go with the request, not a copy of them, unless a
+        // refused injection may send it again.
+        let headers = match injected {
+            true => parts.headers.clone(),
+            false => std::mem::take(&mut parts.headers),
+        };
+        if let Some(up) = outgoing(&parts, headers, upstream, &body, edited.as_ref(), injected) {
             let sent = counted_sent(api, start, injected);
             let mut sending = Box::pin(send(state, up, sent));
             let first = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await;
@@ -776,10 +791,6 @@ async fn api_request(
                 e.unwrap_or_else(|| state.estimator.estimate(p, &view, model.as_deref()))
             }
         };
-    let reset = parts
-        .headers
-        .get(X_CONTEXT_RESET)
-        .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
     let window = model
         .as_deref()
         .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
@@ -959,8 +970,12 @@ async fn api_request(
                 ins.edited = Some(b);
                 ins.injected = true;
             }
-            let Some(up) = outgoing(&parts, upstream, &body, ins.edited.as_ref(), ins.injected)
-            else {
+            let headers = match ins.injected {
+                true => parts.headers.clone(),
+                false => std::mem::take(&mut parts.headers),
+            };
+            let edited = ins.edited.as_ref();
+            let Some(up) = outgoing(&parts, headers, upstream, &body, edited, ins.injected) else {
                 return reject(state, p, ins, &ProxyError::ClientBody);
             };
             let sent = counted_sent(api, start, ins.injected);
@@ -985,8 +1000,10 @@ async fn api_request(
                     ins.injected = false;
                     ins.edited = ins.trimmed_body.clone();
                     let retry = ins.edited.clone().unwrap_or_else(|| body.clone());
+                    let headers = std::mem::take(&mut parts.headers);
                     match build_upstream_request(
                         &parts,
+                        headers,
                         upstream,
                         full(retry),
                         ins.edited.is_some(),
@@ -1131,13 +1148,15 @@ fn usage_injection(
 /// to take the option's additions back out.
 fn outgoing(
     parts: &http::request::Parts,
+    headers: HeaderMap,
     upstream: &Upstream,
     body: &Bytes,
     edited: Option<&Bytes>,
     injected: bool,
 ) -> Option<Request<UpBody>> {
     let send_body = edited.unwrap_or(body).clone();
-    let mut up = build_upstream_request(parts, upstream, full(send_body), edited.is_some())?;
+    let mut up =
+        build_upstream_request(parts, headers, upstream, full(send_body), edited.is_some())?;
     if injected {
         up.headers_mut().insert(
             http::header::ACCEPT_ENCODING,
@@ -1263,7 +1282,7 @@ async fn count_exact(
 /// Forward a request whose body tidemark could not read as JSON: untouched, no projection.
 async fn forward_unread(
     state: &State,
-    parts: http::request::Parts,
+    mut parts: http::request::Parts,
     body: Bytes,
     upstream: &Upstream,
     p: &dyn Provider,
@@ -1271,7 +1290,8 @@ async fn forward_unread(
 ) -> Response<ObservedBody> {
     let m = metrics::get();
     let api = p.api().as_str();
-    let Some(up) = build_upstream_request(&parts, upstream, full(body), false) else {
+    let headers = std::mem::take(&mut parts.headers);
+    let Some(up) = build_upstream_request(&parts, headers, upstream, full(body), false) else {
         return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
     };
     let sent = Instant::now();

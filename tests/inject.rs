@@ -268,7 +268,15 @@ async fn an_upstream_that_refuses_stream_options_is_retried_once_and_remembered(
     let req =
         r#"{"model":"gpt-4o-inject-d","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 
-    let (parts, body) = post_json(&c, &proxy.url("/v1/chat/completions"), req).await;
+    // The client's headers go with both tries (the first is sent with a
+    // copy of them, the retry with them).
+    let with_headers = http::Request::post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-inject-retry")
+        .header("x-trace-id", "t-42")
+        .body(full(req.to_string()))
+        .unwrap();
+    let (parts, body) = send(&c, with_headers).await;
     assert_eq!(parts.status, 200);
     assert_eq!(body, plain);
     assert_eq!(up.seen.count(), 2, "one refused try, one retry");
@@ -278,6 +286,14 @@ async fn an_upstream_that_refuses_stream_options_is_retried_once_and_remembered(
         Bytes::from(req),
         "the retry is the client's body"
     );
+    for (i, (seen, _)) in up.seen.requests.lock().unwrap().iter().enumerate() {
+        assert_eq!(
+            seen.headers["authorization"], "Bearer sk-inject-retry",
+            "try {i}"
+        );
+        assert_eq!(seen.headers["x-trace-id"], "t-42", "try {i}");
+        assert_eq!(seen.headers["content-type"], "application/json", "try {i}");
+    }
 
     let (parts, body) = post_json(&c, &proxy.url("/v1/chat/completions"), req).await;
     assert_eq!(parts.status, 200);
