@@ -477,26 +477,69 @@ fn decode_request(encoding: Option<&str>, body: &Bytes, cap: usize) -> Option<By
 }
 
 /// First 8 hex of the SHA-256 of the credential the request carries, or `none`.
-fn credential_hash(headers: &HeaderMap, query: Option<&str>) -> String {
-    const NAMES: [HeaderName; 4] = [
-        http::header::AUTHORIZATION,
-        HeaderName::from_static("x-api-key"),
-        HeaderName::from_static("x-goog-api-key"),
-        HeaderName::from_static("api-key"),
-    ];
-    let cred = NAMES
-        .iter()
-        .find_map(|h| headers.get(h).map(HeaderValue::as_bytes))
-        .or_else(|| {
-            query.and_then(|q| {
-                q.split('&')
-                    .find_map(|kv| kv.strip_prefix("key=").map(str::as_bytes))
-            })
-        });
+fn credential_hash(header: Option<&[u8]>, query: Option<&str>) -> String {
+    let cred = header.or_else(|| {
+        query.and_then(|q| {
+            q.split('&')
+                .find_map(|kv| kv.strip_prefix("key=").map(str::as_bytes))
+        })
+    });
     match cred {
         Some(c) if !c.is_empty() => known_credential_hash(c),
         _ => "none".to_string(),
     }
+}
+
+/// What a request's headers say about who is asking: the credential (the
+/// first of `authorization`, `x-api-key`, `x-goog-api-key`, `api-key`
+/// present), the first `--session-header` present with a usable value,
+/// and `x-context-reset: 1`. Found in one pass over the headers: a
+/// `HeaderMap::get` of a name outside http's own set hashes the name, and
+/// these had been five such lookups a request. Of a name sent twice, the
+/// first value counts, as `get` gives it.
+#[derive(Default)]
+struct Asking<'a> {
+    credential: Option<&'a [u8]>,
+    session: Option<&'a str>,
+    reset: bool,
+}
+
+fn asking<'a>(headers: &'a HeaderMap, session_headers: &[HeaderName]) -> Asking<'a> {
+    let mut a = Asking::default();
+    // Ranks taken so far (lower wins); names whose first value was seen.
+    let (mut credential_rank, mut session_rank) = (usize::MAX, usize::MAX);
+    let (mut reset_seen, mut session_seen) = (false, 0u64);
+    for (name, value) in headers {
+        let rank = match name.as_str() {
+            "authorization" => 0,
+            "x-api-key" => 1,
+            "x-goog-api-key" => 2,
+            "api-key" => 3,
+            "x-context-reset" => {
+                if !reset_seen {
+                    reset_seen = true;
+                    a.reset = value.as_bytes().trim_ascii() == b"1";
+                }
+                usize::MAX
+            }
+            _ => usize::MAX,
+        };
+        if rank < credential_rank {
+            credential_rank = rank;
+            a.credential = Some(value.as_bytes());
+        }
+        for (k, h) in session_headers.iter().enumerate().take(64) {
+            if k >= session_rank || h != name || session_seen >> k & 1 == 1 {
+                continue;
+            }
+            session_seen |= 1 << k;
+            if let Some(v) = value.to_str().ok().map(str::trim).filter(|v| !v.is_empty()) {
+                session_rank = k;
+                a.session = Some(v);
+            }
+        }
+    }
+    a
 }
 
 /// The SHA-256 prefix of a credential, made once per credential on each
@@ -534,22 +577,17 @@ fn known_credential_hash(c: &[u8]) -> String {
 /// fingerprint of (credential, API, system prompt, first user message).
 fn session_key(
     config: &Config,
-    headers: &HeaderMap,
+    named: Option<&str>,
     p: &dyn Provider,
     view: &RequestView<'_>,
     credential: &str,
 ) -> Option<String> {
-    for h in &config.session_headers {
-        if let Some(v) = headers.get(h).and_then(|v| v.to_str().ok()) {
-            let v = v.trim();
-            if !v.is_empty() {
-                let mut end = v.len().min(MAX_SESSION_KEY);
-                while !v.is_char_boundary(end) {
-                    end -= 1;
-                }
-                return Some(v[..end].to_string());
-            }
+    if let Some(v) = named {
+        let mut end = v.len().min(MAX_SESSION_KEY);
+        while !v.is_char_boundary(end) {
+            end -= 1;
         }
+        return Some(v[..end].to_string());
     }
     if !config.fingerprint {
         return None;
@@ -734,13 +772,11 @@ async fn api_request(
     // Who is asking: cheap (a hash of the credential, and of the messages up
     // to the first user message), so it comes before the request leaves.
     let model = p.model(path, &view);
-    let credential = credential_hash(&parts.headers, query);
-    let key = session_key(cfg, &parts.headers, p, &view, &credential);
+    let asked = asking(&parts.headers, &cfg.session_headers);
+    let credential = credential_hash(asked.credential, query);
+    let key = session_key(cfg, asked.session, p, &view, &credential);
+    let reset = asked.reset;
     let continues = p.continues(&view);
-    let reset = parts
-        .headers
-        .get(X_CONTEXT_RESET)
-        .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
     // Forwarded before it is projected, the request takes its place in the
     // session's order now, so two in flight keep the order they came in.
     // (With --state redis the order is Redis's, taken when it is asked.)
@@ -1562,14 +1598,84 @@ mod tests {
                 let want = crate::session::hex(&Sha256::digest(c.as_bytes())[..4]);
                 let mut h = HeaderMap::new();
                 h.insert(http::header::AUTHORIZATION, c.parse().unwrap());
-                assert_eq!(credential_hash(&h, None), want, "round {round}, {c}");
-                assert_eq!(credential_hash(&h, None), want, "round {round}, {c} again");
+                let cred = asking(&h, &[]).credential;
+                assert_eq!(credential_hash(cred, None), want, "round {round}, {c}");
+                assert_eq!(
+                    credential_hash(cred, None),
+                    want,
+                    "round {round}, {c} again"
+                );
             }
         }
-        assert_eq!(credential_hash(&HeaderMap::new(), Some("a=1&key=k")), {
+        assert_eq!(credential_hash(None, Some("a=1&key=k")), {
             crate::session::hex(&Sha256::digest(b"k")[..4])
         });
-        assert_eq!(credential_hash(&HeaderMap::new(), None), "none");
+        assert_eq!(credential_hash(None, None), "none");
+    }
+
+    /// The one pass over the headers finds what a `get` per name found:
+    /// the credential by the names' order, the first session header with a
+    /// usable value, the reset flag; a name's first value, whatever the
+    /// order the headers came in.
+    #[test]
+    fn one_pass_over_the_headers_reads_as_a_get_per_name() {
+        let names = ["authorization", "x-api-key", "x-goog-api-key", "api-key"];
+        let session_headers = [
+            HeaderName::from_static("x-session-id"),
+            HeaderName::from_static("x-conversation"),
+        ];
+        let reference = |h: &HeaderMap| {
+            let credential = names
+                .iter()
+                .find_map(|n| h.get(*n).map(HeaderValue::as_bytes).map(<[u8]>::to_vec));
+            let session = session_headers.iter().find_map(|n| {
+                let v = h.get(n)?.to_str().ok()?.trim();
+                (!v.is_empty()).then(|| v.to_string())
+            });
+            let reset = h
+                .get(X_CONTEXT_RESET)
+                .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
+            (credential, session, reset)
+        };
+        // Every subset, in two orders, of headers that compete.
+        let pool: [(&str, &[u8]); 12] = [
+            ("x-api-key", b"k-one"),
+            ("authorization", b"Bearer a"),
+            ("api-key", b""),
+            ("x-goog-api-key", b"g"),
+            ("x-conversation", b" conv "),
+            ("x-session-id", b"  "),
+            ("x-session-id", b"sess-2"),
+            ("x-conversation", b"\xff"),
+            ("x-context-reset", b" 1 "),
+            ("x-context-reset", b"0"),
+            ("authorization", b"Bearer second"),
+            ("content-type", b"application/json"),
+        ];
+        let mut checked = 0;
+        for mask in 0u32..1 << pool.len() {
+            for reversed in [false, true] {
+                let mut h = HeaderMap::new();
+                let mut picked: Vec<_> = (0..pool.len()).filter(|i| mask >> i & 1 == 1).collect();
+                if reversed {
+                    picked.reverse();
+                }
+                for i in picked {
+                    let (n, v) = pool[i];
+                    let v = HeaderValue::from_bytes(v).unwrap();
+                    h.append(HeaderName::from_static(n), v);
+                }
+                let a = asking(&h, &session_headers);
+                let got = (
+                    a.credential.map(<[u8]>::to_vec),
+                    a.session.map(str::to_string),
+                    a.reset,
+                );
+                assert_eq!(got, reference(&h), "{h:?}");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 2 << 12);
     }
 
     #[test]
