@@ -646,14 +646,34 @@ fn session_key(
 
 fn is_user_message(raw: &str) -> bool {
     // Messages almost always open with their role: decide from the first
-    // member without parsing the rest (the message's whole content).
-    let first = raw.trim_start().strip_prefix('{').map(str::trim_start);
-    if let Some(value) = first.and_then(|r| r.strip_prefix("\"role\"")) {
-        let value = value.trim_start();
-        if let Some(v) = value.strip_prefix(':').map(str::trim_start) {
-            if let Some(role) = v.strip_prefix('"').and_then(|v| v.split_once('"')) {
-                if !role.0.contains('\\') {
-                    return role.0 == "user";
+    // member without parsing the rest (the message's whole content), byte
+    // by byte (JSON's whitespace is ASCII; str's trims and searches cost
+    // about 250 instructions a message here).
+    let b = raw.as_bytes();
+    let ws = |mut i: usize| {
+        while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            i += 1;
+        }
+        i
+    };
+    let mut i = ws(0);
+    if b.get(i) == Some(&b'{') {
+        i = ws(i + 1);
+        if b[i..].starts_with(b"\"role\"") {
+            i = ws(i + 6);
+            if b.get(i) == Some(&b':') {
+                i = ws(i + 1);
+                if b.get(i) == Some(&b'"') {
+                    let role = &b[i + 1..];
+                    if role.starts_with(b"user\"") {
+                        return true;
+                    }
+                    // Another role, unless an escape makes it read otherwise.
+                    if let Some(end) = memchr::memchr2(b'"', b'\\', role) {
+                        if role[end] == b'"' {
+                            return false;
+                        }
+                    }
                 }
             }
         }
@@ -1586,6 +1606,15 @@ mod tests {
         ));
         assert!(is_user_message(r#"{"role":"us\u0065r"}"#));
         assert!(!is_user_message(r#"{"type":"function_call"}"#));
+        assert!(is_user_message("{\r\n\t \"role\" \n:\t\"user\" }"));
+        assert!(!is_user_message(r#"{"role":"users"}"#));
+        assert!(!is_user_message(r#"{"role":"use"}"#));
+        assert!(!is_user_message(r#"{"role":"user\"x"}"#));
+        assert!(!is_user_message(
+            r#"{"role":"assistant","x":"\"role\":\"user\""}"#
+        ));
+        assert!(!is_user_message(r#"{"role":"#));
+        assert!(!is_user_message(""));
     }
 
     #[test]
