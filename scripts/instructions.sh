@@ -14,9 +14,10 @@
 # totals over the difference of their requests, so start-up (the tokenizer's
 # tables, nginx's configuration) cancels out. Counted: tidemark's worker
 # threads, or nginx's one process (`--nginx-one-process`). Valgrind hides
-# the SHA-NI instructions, so SHA-256 (credential hash and session
-# fingerprint) runs in software here and costs several times what it does
-# on the hardware: its share is printed apart. About 2 minutes for the
+# the SHA-NI instructions, so SHA-256 (a credential's hash, made once per
+# credential and worker thread; the bench sends none) runs in software
+# here and costs several times what it does on the hardware: its share is
+# printed apart. About 2 minutes for the
 # four targets after the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
