@@ -345,6 +345,27 @@ mod sse2 {
             !mask(ws) & 0xffff
         }
     }
+
+    /// A bit per quote, backslash and bracket of 64 bytes, four blocks.
+    #[inline(always)]
+    pub fn marks64(block: &[u8; 64]) -> super::Marks {
+        let mut m = super::Marks {
+            quote: 0,
+            backslash: 0,
+            bracket: 0,
+        };
+        for (k, bytes) in block.chunks_exact(W).enumerate() {
+            let bytes: &[u8; 16] = bytes.try_into().unwrap_or(&[0; 16]);
+            let v = load_unaligned_m128i(bytes);
+            // `| 0x20` folds `[` into `{` and `]` into `}`, nothing else.
+            let y = bitor_m128i(v, set_splat_i8_m128i(0x20));
+            let at = |x| u64::from(mask(x)) << (k * W);
+            m.quote |= at(eq(v, b'"'));
+            m.backslash |= at(eq(v, b'\\'));
+            m.bracket |= at(bitor_m128i(eq(y, b'{'), eq(y, b'}')));
+        }
+        m
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -378,6 +399,27 @@ mod swar {
         pub fn quote_or_escape(&self) -> u64 {
             zeros(self.0 ^ (ONES * u64::from(b'"'))) | zeros(self.0 ^ (ONES * u64::from(b'\\')))
         }
+    }
+
+    /// A bit per quote, backslash and bracket of 64 bytes, byte by byte:
+    /// other targets' blocks, and the definition the SSE2 blocks are
+    /// tested against.
+    pub fn marks64(block: &[u8; 64]) -> super::Marks {
+        let mut m = super::Marks {
+            quote: 0,
+            backslash: 0,
+            bracket: 0,
+        };
+        for (k, &c) in block.iter().enumerate() {
+            let bit = 1u64 << k;
+            match c {
+                b'"' => m.quote |= bit,
+                b'\\' => m.backslash |= bit,
+                b'{' | b'}' | b'[' | b']' => m.bracket |= bit,
+                _ => {}
+            }
+        }
+        m
     }
 }
 
@@ -440,7 +482,7 @@ fn container_end(b: &[u8], i: usize, depth: usize) -> Option<usize> {
     // Block state carried over: inside a string, after an escaping backslash.
     let (mut inside_carry, mut escape_carry) = (0u64, 0u64);
     loop {
-        let (marks, valid) = blocks::marks(b, base)?;
+        let (marks, valid) = block_marks(b, base)?;
         let escaped = escaped_by(marks.backslash, &mut escape_carry);
         let quotes = marks.quote & !escaped;
         let inside = prefix_xor(quotes) ^ inside_carry;
@@ -527,66 +569,18 @@ struct Marks {
     bracket: u64,
 }
 
-mod blocks {
-    use super::Marks;
-
-    /// The marks of the 64 bytes at `base` and a bit per byte that is in
-    /// `b` (all set but at the end); `None` past the end.
-    #[inline(always)]
-    pub fn marks(b: &[u8], base: usize) -> Option<(Marks, u64)> {
-        let rest = b.get(base..).filter(|r| !r.is_empty())?;
-        if let Some(block) = rest.first_chunk::<64>() {
-            return Some((of(block), u64::MAX));
-        }
-        // The last bytes, padded with spaces (no mark).
-        let mut block = [b' '; 64];
-        block[..rest.len()].copy_from_slice(rest);
-        Some((of(&block), (1u64 << rest.len()) - 1))
+/// The marks of the 64 bytes at `base` and a bit per byte that is in `b`
+/// (all set but at the end); `None` past the end.
+#[inline(always)]
+fn block_marks(b: &[u8], base: usize) -> Option<(Marks, u64)> {
+    let rest = b.get(base..).filter(|r| !r.is_empty())?;
+    if let Some(block) = rest.first_chunk::<64>() {
+        return Some((lanes::marks64(block), u64::MAX));
     }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn of(block: &[u8; 64]) -> Marks {
-        use safe_arch::*;
-        let (mut quote, mut backslash, mut bracket) = (0u64, 0u64, 0u64);
-        for k in 0..4 {
-            let bytes: &[u8; 16] = block[k * 16..k * 16 + 16].try_into().unwrap();
-            let v = load_unaligned_m128i(bytes);
-            let eq = |c: u8| cmp_eq_mask_i8_m128i(v, set_splat_i8_m128i(c as i8));
-            // `| 0x20` folds `[` into `{` and `]` into `}`, nothing else.
-            let y = bitor_m128i(v, set_splat_i8_m128i(0x20));
-            let folded = |c: u8| cmp_eq_mask_i8_m128i(y, set_splat_i8_m128i(c as i8));
-            let m = |x: m128i| u64::from(move_mask_i8_m128i(x) as u16) << (k * 16);
-            quote |= m(eq(b'"'));
-            backslash |= m(eq(b'\\'));
-            bracket |= m(bitor_m128i(folded(b'{'), folded(b'}')));
-        }
-        Marks {
-            quote,
-            backslash,
-            bracket,
-        }
-    }
-
-    #[cfg(not(target_arch = "x86_64"))]
-    #[inline(always)]
-    fn of(block: &[u8; 64]) -> Marks {
-        let mut m = Marks {
-            quote: 0,
-            backslash: 0,
-            bracket: 0,
-        };
-        for (k, &c) in block.iter().enumerate() {
-            let bit = 1u64 << k;
-            match c {
-                b'"' => m.quote |= bit,
-                b'\\' => m.backslash |= bit,
-                b'{' | b'}' | b'[' | b']' => m.bracket |= bit,
-                _ => {}
-            }
-        }
-        m
-    }
+    // The last bytes, padded with spaces (no mark).
+    let mut block = [b' '; 64];
+    block[..rest.len()].copy_from_slice(rest);
+    Some((lanes::marks64(&block), (1u64 << rest.len()) - 1))
 }
 
 #[cfg(test)]
@@ -980,6 +974,27 @@ pub(crate) mod tests {
                     reference(bits, carry),
                     "{bits:#066b} carry {carry}"
                 );
+            }
+        }
+    }
+
+    /// The SSE2 64-byte marks agree with the byte-by-byte ones for every
+    /// byte value at every place, over fillers that are and are not marked.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn block_marks_are_the_bytes_marks() {
+        let bits = |m: Marks| (m.quote, m.backslash, m.bracket);
+        for filler in [b'a', b'"', b'\\', b'[', b'}', 0x80] {
+            for at in 0..64 {
+                for byte in 0..=255u8 {
+                    let mut block = [filler; 64];
+                    block[at] = byte;
+                    assert_eq!(
+                        bits(sse2::marks64(&block)),
+                        bits(swar::marks64(&block)),
+                        "{byte:#x} at {at} in {filler:#x}"
+                    );
+                }
             }
         }
     }

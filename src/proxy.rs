@@ -553,7 +553,7 @@ fn known_credential_hash(c: &[u8]) -> String {
     use std::sync::OnceLock;
     static SEED: OnceLock<u64> = OnceLock::new();
     thread_local! {
-        static KNOWN: RefCell<foldhash::HashMap<u128, [u8; 8]>> = RefCell::default();
+        static KNOWN: RefCell<foldhash::HashMap<u128, [u8; 4]>> = RefCell::default();
     }
     let seed = *SEED.get_or_init(|| {
         use std::hash::BuildHasher;
@@ -561,15 +561,14 @@ fn known_credential_hash(c: &[u8]) -> String {
     });
     let id = xxhash_rust::xxh3::xxh3_128_with_seed(c, seed);
     KNOWN.with_borrow_mut(|known| {
-        let hex = *known.entry(id).or_insert_with(|| {
-            let mut hex = [0u8; 8];
-            hex.copy_from_slice(crate::session::hex(&Sha256::digest(c)[..4]).as_bytes());
-            hex
+        let prefix = *known.entry(id).or_insert_with(|| {
+            let digest = Sha256::digest(c);
+            [digest[0], digest[1], digest[2], digest[3]]
         });
         if known.len() > 256 {
             known.clear();
         }
-        String::from_utf8_lossy(&hex).into_owned()
+        crate::session::hex(&prefix)
     })
 }
 
@@ -814,12 +813,7 @@ async fn api_request(
     if forward_first {
         let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
         let injected = edited.is_some();
-        // The headers go with the request, not a copy of them, unless a
-        // refused injection may send it again.
-        let headers = match injected {
-            true => parts.headers.clone(),
-            false => std::mem::take(&mut parts.headers),
-        };
+        let headers = headers_to_send(&mut parts.headers, injected);
         if let Some(up) = outgoing(&parts, headers, upstream, &body, edited.as_ref(), injected) {
             let sent = counted_sent(api, start, injected);
             let mut sending = Box::pin(send(state, up, sent));
@@ -1026,10 +1020,7 @@ async fn api_request(
                 ins.edited = Some(b);
                 ins.injected = true;
             }
-            let headers = match ins.injected {
-                true => parts.headers.clone(),
-                false => std::mem::take(&mut parts.headers),
-            };
+            let headers = headers_to_send(&mut parts.headers, ins.injected);
             let edited = ins.edited.as_ref();
             let Some(up) = outgoing(&parts, headers, upstream, &body, edited, ins.injected) else {
                 return reject(state, p, ins, &ProxyError::ClientBody);
@@ -1197,6 +1188,15 @@ fn usage_injection(
         return None;
     }
     Some(Bytes::from(injected))
+}
+
+/// The client's headers go with the request, not a copy of them, unless a
+/// refused usage injection may send it again (`injected`).
+fn headers_to_send(headers: &mut HeaderMap, injected: bool) -> HeaderMap {
+    match injected {
+        true => headers.clone(),
+        false => std::mem::take(headers),
+    }
 }
 
 /// The upstream request: the client's, or its edited body; an injected
