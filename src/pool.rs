@@ -682,6 +682,54 @@ mod tests {
     /// and before the request went out: the request comes back to be sent
     /// on another connection, rather than waiting forever in the queue of
     /// one that has finished.
+    /// A chunked response's trailers reach the body's reader as its last
+    /// frame, after the data, and the connection goes back to the pool.
+    #[tokio::test]
+    async fn trailers_are_the_last_frame() {
+        let config =
+            crate::Config::from_args(["tidemark", "--upstream", "http://127.0.0.1:1"]).unwrap();
+        let client = crate::upstream::client(&config).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = [0u8; 4096];
+            let mut got = Vec::new();
+            while !got.ends_with(b"{}") {
+                let n = s.read(&mut buf).await.unwrap();
+                got.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+                  3\r\nabc\r\n0\r\nx-checksum: 42\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            // Held open: the body must end at its last chunk, not the close.
+            let _ = s.read(&mut buf).await;
+        });
+        let read = async {
+            let resp = client.request(post(addr)).await.unwrap();
+            resp.into_body().collect().await.unwrap()
+        };
+        let got = tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .expect("the body ends at its trailers");
+        assert_eq!(
+            got.trailers().map(|t| &t["x-checksum"]),
+            Some(&http::HeaderValue::from_static("42"))
+        );
+        assert_eq!(&got.to_bytes()[..], b"abc");
+        let key = Key(Scheme::HTTP, Authority::try_from(addr.to_string()).unwrap());
+        assert!(client
+            .0
+            .idle()
+            .lock()
+            .unwrap()
+            .get(&key)
+            .is_some_and(|l| !l.is_empty()));
+    }
+
     #[tokio::test]
     async fn a_request_a_finished_connection_never_took_comes_back() {
         let config =
