@@ -678,27 +678,35 @@ mod tests {
         }
     }
 
-    /// The server closed an idle connection after `checkout` looked at it
-    /// and before the request went out: the request comes back to be sent
-    /// on another connection, rather than waiting forever in the queue of
-    /// one that has finished.
-    /// A chunked response's trailers reach the body's reader as its last
-    /// frame, after the data, and the connection goes back to the pool.
-    #[tokio::test]
-    async fn trailers_are_the_last_frame() {
+    /// A client with the default configuration and a raw upstream's
+    /// listener, with its address.
+    async fn client_and_listener() -> (Client, TcpListener, std::net::SocketAddr) {
         let config =
             crate::Config::from_args(["tidemark", "--upstream", "http://127.0.0.1:1"]).unwrap();
         let client = crate::upstream::client(&config).unwrap();
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
+        (client, l, addr)
+    }
+
+    /// Reads one request of [`post`] (its body is `{}`) off the socket.
+    async fn read_post(s: &mut tokio::net::TcpStream) {
+        let mut buf = [0u8; 4096];
+        let mut got = Vec::new();
+        while !got.ends_with(b"{}") {
+            let n = s.read(&mut buf).await.unwrap();
+            got.extend_from_slice(&buf[..n]);
+        }
+    }
+
+    /// A chunked response's trailers reach the body's reader as its last
+    /// frame, after the data, and the connection goes back to the pool.
+    #[tokio::test]
+    async fn trailers_are_the_last_frame() {
+        let (client, l, addr) = client_and_listener().await;
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
-            let mut buf = [0u8; 4096];
-            let mut got = Vec::new();
-            while !got.ends_with(b"{}") {
-                let n = s.read(&mut buf).await.unwrap();
-                got.extend_from_slice(&buf[..n]);
-            }
+            read_post(&mut s).await;
             s.write_all(
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
                   3\r\nabc\r\n0\r\nx-checksum: 42\r\n\r\n",
@@ -706,7 +714,7 @@ mod tests {
             .await
             .unwrap();
             // Held open: the body must end at its last chunk, not the close.
-            let _ = s.read(&mut buf).await;
+            let _ = s.read(&mut [0u8; 16]).await;
         });
         let read = async {
             let resp = client.request(post(addr)).await.unwrap();
@@ -730,23 +738,18 @@ mod tests {
             .is_some_and(|l| !l.is_empty()));
     }
 
+    /// The server closed an idle connection after `checkout` looked at it
+    /// and before the request went out: the request comes back to be sent
+    /// on another connection, rather than waiting forever in the queue of
+    /// one that has finished.
     #[tokio::test]
     async fn a_request_a_finished_connection_never_took_comes_back() {
-        let config =
-            crate::Config::from_args(["tidemark", "--upstream", "http://127.0.0.1:1"]).unwrap();
-        let client = crate::upstream::client(&config).unwrap();
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
+        let (client, l, addr) = client_and_listener().await;
         let (close, close_now) = oneshot::channel::<()>();
         let (closed_tx, closed) = oneshot::channel::<()>();
         tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
-            let mut buf = [0u8; 4096];
-            let mut got = Vec::new();
-            while !got.ends_with(b"{}") {
-                let n = s.read(&mut buf).await.unwrap();
-                got.extend_from_slice(&buf[..n]);
-            }
+            read_post(&mut s).await;
             s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                 .await
                 .unwrap();
