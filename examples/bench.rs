@@ -28,8 +28,10 @@
 //! process when `nginx` is on PATH, and is skipped with a note otherwise.
 
 /// The allocator the binary ships with (src/main.rs).
+#[path = "../src/alloc.rs"]
+mod alloc;
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -20,8 +20,10 @@ mod support;
 
 /// The allocator the binary ships with (src/main.rs), so the RSS bounds hold
 /// for it.
+#[path = "../src/alloc.rs"]
+mod alloc;
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
