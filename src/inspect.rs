@@ -67,7 +67,7 @@ impl<'a> RequestView<'a> {
         // UTF-8 checked once for the whole body (SIMD), then the JSON by
         // its grammar alone (see [`members`]).
         let text = simdutf8::basic::from_utf8(body).ok()?;
-        let mut elements = Vec::new();
+        let mut elements = Vec::with_capacity(8);
         let fields = members(text, &mut elements)?;
         Some(RequestView {
             body,
@@ -131,7 +131,7 @@ fn members<'a>(text: &'a str, elements: &mut Vec<Raw<'a>>) -> Option<Vec<Member<
         text,
         b: text.as_bytes(),
         i: 0,
-        open: Vec::new(),
+        open: Vec::with_capacity(16),
     };
     let mut out = Vec::with_capacity(16);
     s.ws();

@@ -55,9 +55,15 @@ fn length_bit(len: usize) -> u64 {
 
 impl Picker<'_> {
     fn ws(&mut self) {
-        // Most calls stand on a value already; a pretty-printed body's
-        // newline and indentation are skipped a block at a time.
-        if !matches!(self.b.get(self.i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        // Most calls stand on a value already, or on the one space after a
+        // colon; a pretty-printed body's newline and indentation are
+        // skipped a block at a time.
+        match self.b.get(self.i) {
+            Some(b' ' | b'\t' | b'\n' | b'\r') => {}
+            _ => return,
+        }
+        if !matches!(self.b.get(self.i + 1), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -88,7 +94,7 @@ impl Picker<'_> {
         match *self.b.get(self.i)? {
             b'{' => {
                 self.i += 1;
-                let mut members = Vec::new();
+                let mut members = Vec::with_capacity(4);
                 self.ws();
                 if self.b.get(self.i) == Some(&b'}') {
                     self.i += 1;
