@@ -239,6 +239,81 @@ async fn slow_and_silent_clients_are_cut_off_and_the_server_recovers() {
     px.stop().await;
 }
 
+/// Read one HTTP/1.1 response with a Content-Length body off `s`; its head.
+async fn read_one_response(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = within(10, s.read(&mut buf)).await.unwrap();
+        assert!(n > 0, "closed before the response was whole");
+        out.extend_from_slice(&buf[..n]);
+        let Some(end) = out.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&out[..end]).to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .expect("a content-length")
+            .trim()
+            .parse()
+            .unwrap();
+        if out.len() >= end + 4 + len {
+            assert_eq!(out.len(), end + 4 + len, "nothing after the response");
+            return head;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_connection_slow_with_its_next_request_head_is_cut_off() {
+    let up = support::upstream(support::handler(|_r| ok_json())).await;
+    let px = support::proxy(&up.url(), &["--header-read-timeout", "1s"]).await;
+    let before = limits_hit(&px, "header_timeout").await;
+    let mut s = within(5, TcpStream::connect(px.addr)).await.unwrap();
+    let body = chat_body(false);
+    let req = format!(
+        "POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    // Two requests on the connection are served, each head sent whole.
+    for _ in 0..2 {
+        s.write_all(req.as_bytes()).await.unwrap();
+        let head = read_one_response(&mut s).await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+    }
+    // The third head starts, then nothing more: the connection is closed
+    // once the header-read timeout has run from the head's first bytes'
+    // wait, not before.
+    let start = Instant::now();
+    s.write_all(format!("POST {CHAT} HTTP/1.1\r\nhost: x\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let mut rest = Vec::new();
+    loop {
+        match within(10, s.read(&mut buf)).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => rest.extend_from_slice(&buf[..n]),
+        }
+    }
+    let held = start.elapsed();
+    assert!(
+        held >= Duration::from_millis(900),
+        "closed after {held:?}, before the 1s header-read timeout"
+    );
+    assert!(held < Duration::from_secs(5), "held for {held:?}");
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.is_empty() || rest.starts_with("HTTP/1.1 408"),
+        "answered: {rest}"
+    );
+    assert_eq!(limits_hit(&px, "header_timeout").await, before + 1.0);
+    assert_eq!(up.seen.count(), 2, "the cut-off request is never forwarded");
+    assert_ready(&px).await;
+    px.stop().await;
+}
+
 // ---------------------------------------------------------------------------
 // Upstream faults
 // ---------------------------------------------------------------------------
