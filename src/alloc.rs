@@ -1,7 +1,8 @@
 //! The process's allocator: mimalloc, asked for plain blocks where a plain
 //! block will do. Not a module of the library (which forbids unsafe code):
-//! `main.rs` and `examples/bench.rs` include this file, so the bench
-//! measures the allocator that ships.
+//! `main.rs`, `examples/bench.rs`, `tests/soak.rs` and `tests/alloc.rs`
+//! include this file, so the bench and the tests measure the allocator
+//! that ships.
 //!
 //! `mimalloc::MiMalloc` hands every allocation to `mi_malloc_aligned`,
 //! whose fast path takes only blocks of 1 KiB or less found aligned;

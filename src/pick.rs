@@ -94,12 +94,12 @@ impl Picker<'_> {
         match *self.b.get(self.i)? {
             b'{' => {
                 self.i += 1;
-                let mut members = Vec::with_capacity(4);
                 self.ws();
                 if self.b.get(self.i) == Some(&b'}') {
                     self.i += 1;
-                    return Some(Node::Obj(members));
+                    return Some(Node::Obj(Vec::new()));
                 }
+                let mut members = Vec::with_capacity(4);
                 loop {
                     self.ws();
                     let key = self.key()?;

@@ -644,38 +644,8 @@ fn session_key(
 }
 
 fn is_user_message(raw: &str) -> bool {
-    // Messages almost always open with their role: decide from the first
-    // member without parsing the rest (the message's whole content), byte
-    // by byte (JSON's whitespace is ASCII; str's trims and searches cost
-    // about 250 instructions a message here).
-    let b = raw.as_bytes();
-    let ws = |mut i: usize| {
-        while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            i += 1;
-        }
-        i
-    };
-    let mut i = ws(0);
-    if b.get(i) == Some(&b'{') {
-        i = ws(i + 1);
-        if b[i..].starts_with(b"\"role\"") {
-            i = ws(i + 6);
-            if b.get(i) == Some(&b':') {
-                i = ws(i + 1);
-                if b.get(i) == Some(&b'"') {
-                    let role = &b[i + 1..];
-                    if role.starts_with(b"user\"") {
-                        return true;
-                    }
-                    // Another role, unless an escape makes it read otherwise.
-                    if let Some(end) = memchr::memchr2(b'"', b'\\', role) {
-                        if role[end] == b'"' {
-                            return false;
-                        }
-                    }
-                }
-            }
-        }
+    if let Some(user) = leading_role_is_user(raw.as_bytes()) {
+        return user;
     }
     #[derive(serde::Deserialize)]
     struct Role<'a> {
@@ -686,6 +656,33 @@ fn is_user_message(raw: &str) -> bool {
         .ok()
         .and_then(|r| r.role)
         .is_some_and(|r| r == "user")
+}
+
+/// Whether a message whose first member is `"role"` is the user's: most
+/// open that way, and the role decides it without parsing the rest (the
+/// message's whole content). Read byte by byte (JSON's whitespace is
+/// ASCII; str's trims and searches cost about 250 instructions a message
+/// here). `None`: another first member, or a role with an escape, which
+/// only a parse reads right.
+fn leading_role_is_user(b: &[u8]) -> Option<bool> {
+    let mut i = 0;
+    // Past whitespace, then past `token`, if it is there.
+    let mut past = |token: &[u8]| {
+        while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            i += 1;
+        }
+        b[i..].starts_with(token).then(|| i += token.len())
+    };
+    past(b"{")?;
+    past(b"\"role\"")?;
+    past(b":")?;
+    past(b"\"")?;
+    let role = &b[i..];
+    if role.starts_with(b"user\"") {
+        return Some(true);
+    }
+    let end = memchr::memchr2(b'"', b'\\', role)?;
+    (role[end] == b'"').then_some(false)
 }
 
 /// RFC 8941 dictionary for `x-context-warning`.
