@@ -8,12 +8,17 @@
 # the network, or set TIDEMARK_ADMIN_TOKEN.
 
 # ---- build -----------------------------------------------------------------
-FROM rust:1-bookworm AS builder
+# rustc 1.95.0: pgo/'s profile is used only with the compiler it was made
+# with (scripts/rustc-wrapper); another builds correctly, without it.
+FROM rust:1.95.0-bookworm AS builder
 WORKDIR /src
 
 # Dependency layer: build every dependency against stub sources so that a
 # change to tidemark's own code does not rebuild the crates.io graph.
 COPY Cargo.toml Cargo.lock ./
+COPY .cargo .cargo
+COPY scripts/rustc-wrapper scripts/rustc-wrapper
+COPY pgo pgo
 RUN mkdir src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs \

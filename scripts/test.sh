@@ -30,3 +30,8 @@ PROPTEST_CASES=100000 cargo test --test usage_fixtures -- readers_never_panic sc
 
 # The README's main command, with a short script.
 cargo run --release -- demo --turns 6
+
+# The release build above was compiled with pgo/'s profile only if it still
+# names this build's functions (a dependency update or a new toolchain
+# renames them all): fail rather than ship a build that silently lost it.
+bash scripts/pgo.sh --check

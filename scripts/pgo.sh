@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Make pgo/tidemark.profdata, the profile optimised builds are compiled with
+# (scripts/rustc-wrapper), or check that it still fits the build.
+#
+#     bash scripts/pgo.sh           # about 8 minutes on a 2-core box
+#     bash scripts/pgo.sh --check   # after `cargo build --release`
+#
+# Every crate is built instrumented (-C profile-generate) in target/pgo, the
+# bench and the `tidemark` binary each by its own cargo command as a user
+# builds them; the bench then runs every scenario against an in-process
+# tidemark (small, streamed and 400 KB OpenAI requests, the path it does not
+# read, cold histories), and the binary runs the demo (an OpenAI chat and an
+# Anthropic session, streamed, over a growing history). Their counts are merged, sparse (a
+# function never run is left out, so it is optimised as without a profile,
+# not as cold), into pgo/tidemark.profdata.
+#
+# The profile matches a build only if the build's symbols are the ones it
+# was made with: the same rustc (pgo/rustc-vV), and the same version and
+# features of every crate. pgo/libtidemark names the library file that
+# fixes both; `--check` compares it with a release build's and fails when
+# they differ (after a dependency update, a new toolchain, or a
+# dev-dependency that turns on a feature the library's crates did not
+# have). Run this script again then, and commit pgo/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# The library file of `cargo build --release` in target directory $1.
+libfile() {
+    CARGO_TARGET_DIR=$1 cargo build --release --bin tidemark --message-format=json "${@:2}" |
+        grep -o '"filenames":\["[^"]*/libtidemark-[0-9a-f]*\.rlib"' | sed 's|.*/||; s|"$||'
+}
+
+if [[ ${1:-} == --check ]]; then
+    have=$(libfile target -q)
+    want=$(cat pgo/libtidemark)
+    if [[ $have != "$want" ]]; then
+        echo "pgo: the release build's library is $have, the profile was made for $want:" >&2
+        echo "pgo: the profile no longer matches; run bash scripts/pgo.sh and commit pgo/" >&2
+        exit 1
+    fi
+    if [[ "$(rustc -vV)" != "$(cat pgo/rustc-vV)" ]]; then
+        echo "pgo: rustc is not the one the profile was made with (pgo/rustc-vV)" >&2
+        exit 1
+    fi
+    echo "pgo: the profile matches this build ($want)"
+    exit 0
+fi
+
+sysroot=$(rustc --print sysroot)
+profdata=$(find "$sysroot" -name llvm-profdata -type f | head -n 1)
+if [[ -z $profdata ]]; then
+    rustup component add llvm-tools
+    profdata=$(find "$sysroot" -name llvm-profdata -type f | head -n 1)
+fi
+raw=$(mktemp -d)
+trap 'rm -rf "$raw"' EXIT
+export TIDEMARK_PGO=generate:$raw
+# Apart from target/release: cargo does not see TIDEMARK_PGO.
+CARGO_TARGET_DIR=target/pgo cargo build --release --example bench
+lib=$(libfile target/pgo)
+target/pgo/release/examples/bench --secs 1 --repeat 1 --only tidemark,direct >/dev/null
+target/pgo/release/tidemark demo >/dev/null
+"$profdata" merge --sparse -o pgo/tidemark.profdata "$raw"
+rustc -vV > pgo/rustc-vV
+echo "$lib" > pgo/libtidemark
+echo "pgo: pgo/tidemark.profdata for $lib ($(wc -c < pgo/tidemark.profdata) bytes)"
