@@ -2,8 +2,8 @@
 # Make pgo/tidemark.profdata, the profile optimised builds are compiled with
 # (scripts/rustc-wrapper), or check that it still fits the build.
 #
-#     bash scripts/pgo.sh           # about 8 minutes on a 2-core box
-#     bash scripts/pgo.sh --check   # after `cargo build --release`
+#     bash scripts/pgo.sh           # about 5 minutes on a 2-core box
+#     bash scripts/pgo.sh --check   # builds the release binary and bench first
 #
 # Every crate is built instrumented (-C profile-generate) in target/pgo, the
 # bench and the `tidemark` binary each by its own cargo command as a user
@@ -17,32 +17,42 @@
 # The profile matches a build only if the build's symbols are the ones it
 # was made with: the same rustc (pgo/rustc-vV), and the same version and
 # features of every crate. pgo/libtidemark names the library file that
-# fixes both; `--check` compares it with a release build's and fails when
-# they differ (after a dependency update, a new toolchain, or a
+# fixes both; `--check` compares it with the release binary's and bench's,
+# checks the release library was compiled with the profile, and fails when
+# not (after a dependency update, a new toolchain, or a
 # dev-dependency that turns on a feature the library's crates did not
 # have). Run this script again then, and commit pgo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The library file of `cargo build --release` in target directory $1.
+# The library file that `cargo build --release ARGS...` links, in target
+# directory $1.
 libfile() {
-    CARGO_TARGET_DIR=$1 cargo build --release --bin tidemark --message-format=json "${@:2}" |
+    CARGO_TARGET_DIR=$1 cargo build --release -q --message-format=json "${@:2}" |
         grep -o '"filenames":\["[^"]*/libtidemark-[0-9a-f]*\.rlib"' | sed 's|.*/||; s|"$||'
 }
 
 if [[ ${1:-} == --check ]]; then
-    have=$(libfile target -q)
     want=$(cat pgo/libtidemark)
-    if [[ $have != "$want" ]]; then
-        echo "pgo: the release build's library is $have, the profile was made for $want:" >&2
-        echo "pgo: the profile no longer matches; run bash scripts/pgo.sh and commit pgo/" >&2
+    # The binary's library, and the bench's (an example, built with the
+    # dev-dependencies): one file, or the bench trains other symbols. Its
+    # hash covers the compiler's version too.
+    for what in "--bin tidemark" "--example bench"; do
+        have=$(libfile target $what)
+        if [[ $have != "$want" ]]; then
+            echo "pgo: \`cargo build --release $what\` links $have, the profile was made for $want;" >&2
+            echo "pgo: run bash scripts/pgo.sh and commit pgo/" >&2
+            exit 1
+        fi
+    done
+    # rustc lists the profile among the library's inputs when it used it:
+    # the wrapper did its part.
+    deps=target/release/deps/${want#lib}
+    if ! grep -q "pgo/tidemark.profdata" "${deps%.rlib}.d"; then
+        echo "pgo: $want was compiled without pgo/tidemark.profdata (scripts/rustc-wrapper not used?)" >&2
         exit 1
     fi
-    if [[ "$(rustc -vV)" != "$(cat pgo/rustc-vV)" ]]; then
-        echo "pgo: rustc is not the one the profile was made with (pgo/rustc-vV)" >&2
-        exit 1
-    fi
-    echo "pgo: the profile matches this build ($want)"
+    echo "pgo: the profile matches this build and was used ($want)"
     exit 0
 fi
 
@@ -56,8 +66,11 @@ raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
 export TIDEMARK_PGO=generate:$raw
 # Apart from target/release: cargo does not see TIDEMARK_PGO.
-CARGO_TARGET_DIR=target/pgo cargo build --release --example bench
-lib=$(libfile target/pgo)
+lib=$(libfile target/pgo --bin tidemark)
+if [[ $(libfile target/pgo --example bench) != "$lib" ]]; then
+    echo "pgo: the bench links another library than the binary (a dev-dependency's feature?)" >&2
+    exit 1
+fi
 target/pgo/release/examples/bench --secs 1 --repeat 1 --only tidemark,direct >/dev/null
 target/pgo/release/tidemark demo >/dev/null
 "$profdata" merge --sparse -o pgo/tidemark.profdata "$raw"
