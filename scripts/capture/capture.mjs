@@ -7,7 +7,8 @@
 //
 //   node scripts/capture/capture.mjs --out DIR [--port N] [--ws accept|refuse]
 //                                    [--ws-refuse-status 404] [--deflate on|off]
-//                                    [--tool-call on] [--reply TEXT]
+//                                    [--tool-call on] [--minimal on] [--usage off]
+//                                    [--reply TEXT]
 //
 // Prints "listening http://127.0.0.1:PORT" on stdout once bound. Every request
 // becomes DIR/NNNN-<method>-<path>.json (method, path, query, raw header list,
@@ -49,6 +50,8 @@ const wsRefuseStatus = Number(args["ws-refuse-status"] || 404);
 const deflate = (args.deflate || "on") === "on";
 const reply = args.reply || "hi";
 const toolCall = args["tool-call"] === "on";
+const minimal = args.minimal === "on";
+const noUsage = args.usage === "off";
 fs.mkdirSync(outDir, { recursive: true });
 
 let seq = 0;
@@ -115,22 +118,35 @@ function responsesEvents(req, inTok) {
     usage: null, user: null, metadata: {},
   };
   const item = { id: mid, type: "message", status: "completed", content: [{ type: "output_text", annotations: [], logprobs: [], text: reply }], role: "assistant" };
-  const usage = { input_tokens: inTok, input_tokens_details: { cached_tokens: 0 }, output_tokens: tokens(reply), output_tokens_details: { reasoning_tokens: 0 }, total_tokens: inTok + tokens(reply) };
+  // --usage off: completed responses without usage (what an agent does then).
+  const usage = noUsage ? null : { input_tokens: inTok, input_tokens_details: { cached_tokens: 0 }, output_tokens: tokens(reply), output_tokens_details: { reasoning_tokens: 0 }, total_tokens: inTok + tokens(reply) };
   let n = 0;
   const ev = (o) => ({ ...o, sequence_number: n++ });
+  const last = Array.isArray(req.input) ? req.input[req.input.length - 1] : null;
   // A warm-up (`generate: false`, the WebSocket mode's prewarm) produces no
   // output: created then completed, with an id the next turn may chain from.
   if (req.generate === false) {
-    const u = { ...usage, output_tokens: 0, total_tokens: inTok };
+    const u = usage && { ...usage, output_tokens: 0, total_tokens: inTok };
     return [
       ev({ type: "response.created", response: base }),
       ev({ type: "response.completed", response: { ...base, status: "completed", usage: u } }),
     ];
   }
+  // Codex's remote compaction (v2): the history plus a `compaction_trigger`
+  // item; it wants exactly one output item of type `compaction` (opaque).
+  if (last && last.type === "compaction_trigger") {
+    const cmp = { id: `cmp_capture${n0}`, type: "compaction", encrypted_content: `capture-compaction-${n0}` };
+    return [
+      ev({ type: "response.created", response: base }),
+      ev({ type: "response.in_progress", response: base }),
+      ev({ type: "response.output_item.added", output_index: 0, item: cmp }),
+      ev({ type: "response.output_item.done", output_index: 0, item: cmp }),
+      ev({ type: "response.completed", response: { ...base, status: "completed", output: [cmp], usage } }),
+    ];
+  }
   // --tool-call: a turn that ends in a user message is answered with a call
   // of Codex's `exec` custom tool, so the agent runs it and continues the
   // turn (on a WebSocket: previous_response_id plus only the new items).
-  const last = Array.isArray(req.input) ? req.input[req.input.length - 1] : null;
   if (toolCall && last && last.type === "message" && last.role === "user") {
     const call = { id: `ctc_capture${n0}`, type: "custom_tool_call", status: "completed", call_id: `call_capture${n0}`, name: "exec", input: 'text("tool ran")' };
     return [
@@ -141,6 +157,14 @@ function responsesEvents(req, inTok) {
       ev({ type: "response.custom_tool_call_input.done", item_id: call.id, output_index: 0, input: call.input }),
       ev({ type: "response.output_item.done", output_index: 0, item: call }),
       ev({ type: "response.completed", response: { ...base, status: "completed", output: [call], usage } }),
+    ];
+  }
+  // --minimal: only what a client cannot do without (to find out what that is).
+  if (minimal) {
+    return [
+      ev({ type: "response.created", response: base }),
+      ev({ type: "response.output_item.done", output_index: 0, item }),
+      ev({ type: "response.completed", response: { ...base, status: "completed", output: [item], usage } }),
     ];
   }
   return [
