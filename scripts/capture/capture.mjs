@@ -8,7 +8,7 @@
 //   node scripts/capture/capture.mjs --out DIR [--port N] [--ws accept|refuse]
 //                                    [--ws-refuse-status 404] [--deflate on|off]
 //                                    [--tool-call on] [--minimal on] [--usage off]
-//                                    [--reply TEXT]
+//                                    [--reply TEXT] [--anthropic-tool NAME --anthropic-tool-input JSON]
 //
 // Prints "listening http://127.0.0.1:PORT" on stdout once bound. Every request
 // becomes DIR/NNNN-<method>-<path>.json (method, path, query, raw header list,
@@ -82,12 +82,30 @@ function record(name, obj) {
 }
 
 // ---------- Anthropic Messages ----------
+// --anthropic-tool NAME --anthropic-tool-input JSON: the first request that
+// offers tool NAME is answered with one call of it (Claude Code's Agent tool
+// starts a sub-agent), every other request with text.
+let anthropicToolPending = Boolean(args["anthropic-tool"]);
 function anthropicEvents(req, inTok) {
   const model = req.model || "claude-sonnet-4-5";
   const id = `msg_capture${String(seq).padStart(6, "0")}`;
   const cached = 0;
+  const start = { type: "message_start", message: { model, id, type: "message", role: "assistant", content: [], stop_reason: null, stop_sequence: null, usage: { input_tokens: inTok, cache_creation_input_tokens: 0, cache_read_input_tokens: cached, cache_creation: { ephemeral_5m_input_tokens: 0, ephemeral_1h_input_tokens: 0 }, output_tokens: 1, service_tier: "standard" } } };
+  const name = args["anthropic-tool"];
+  if (anthropicToolPending && (req.tools || []).some((t) => t.name === name)) {
+    anthropicToolPending = false;
+    const input = args["anthropic-tool-input"] || "{}";
+    return [
+      ["message_start", start],
+      ["content_block_start", { type: "content_block_start", index: 0, content_block: { type: "tool_use", id: `toolu_capture${seq}`, name, input: {} } }],
+      ["content_block_delta", { type: "content_block_delta", index: 0, delta: { type: "input_json_delta", partial_json: input } }],
+      ["content_block_stop", { type: "content_block_stop", index: 0 }],
+      ["message_delta", { type: "message_delta", delta: { stop_reason: "tool_use", stop_sequence: null }, usage: { input_tokens: inTok, cache_creation_input_tokens: 0, cache_read_input_tokens: cached, output_tokens: tokens(input) } }],
+      ["message_stop", { type: "message_stop" }],
+    ];
+  }
   return [
-    ["message_start", { type: "message_start", message: { model, id, type: "message", role: "assistant", content: [], stop_reason: null, stop_sequence: null, usage: { input_tokens: inTok, cache_creation_input_tokens: 0, cache_read_input_tokens: cached, cache_creation: { ephemeral_5m_input_tokens: 0, ephemeral_1h_input_tokens: 0 }, output_tokens: 1, service_tier: "standard" } } }],
+    ["message_start", start],
     ["content_block_start", { type: "content_block_start", index: 0, content_block: { type: "text", text: "" } }],
     ["ping", { type: "ping" }],
     ["content_block_delta", { type: "content_block_delta", index: 0, delta: { type: "text_delta", text: reply } }],

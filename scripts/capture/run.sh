@@ -121,6 +121,16 @@ if want claude-code; then
     step 'claude -c -p' "${base[@]}" "${quiet[@]}" -- "$claude" -c -p "again"
     finish @anthropic-ai/claude-code
 
+    # The first answer calls the Agent tool: Claude Code starts a sub-agent
+    # (in the background) under the same session id, with its own system prompt.
+    scenario claude-code subagent
+    start_capture "$DIR" --anthropic-tool Agent \
+        --anthropic-tool-input '{"description":"Count to three","prompt":"count to three","subagent_type":"general-purpose"}'
+    base=(ANTHROPIC_BASE_URL="http://127.0.0.1:$PORT" ANTHROPIC_API_KEY=sk-ant-capture-0000)
+    step 'claude -p (main calls Agent)' "${base[@]}" "${quiet[@]}" -- "$claude" -p "say hi"
+    step 'claude -c -p' "${base[@]}" "${quiet[@]}" -- "$claude" -c -p "again"
+    finish @anthropic-ai/claude-code
+
     # What a user who sets only the base URL and key gets: a HEAD /api/hello
     # before every run and lookups of the vendor's hosts.
     scenario claude-code default-env

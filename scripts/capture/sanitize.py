@@ -77,6 +77,9 @@ class Scrub:
     def __init__(self, home):
         self.subs = [
             (re.escape(home), "/home/user"),
+            # Claude Code names per-project dirs after the cwd, / turned to -.
+            (re.escape(home.replace("/", "-").replace(".", "-")), "-home-user"),
+            (re.escape(home.replace("/", "-")), "-home-user"),
             (re.escape(ROOT), "/repo"),
             (r"127\.0\.0\.1:\d{2,5}", "127.0.0.1:PORT"),
             (r'(\\*"device_id\\*":\\*")[0-9a-f]{64}', r"\g<1>" + FAKE_DEVICE),
