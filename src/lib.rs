@@ -13,6 +13,10 @@
 //!    picks the upstream (`config.rs`); `provider::for_path` decides whether the
 //!    path is an API tidemark understands (`provider/`, one file per API).
 //!    Anything else streams through untouched (`proxy.rs::passthrough`).
+//!    A WebSocket handshake (any path) goes to `ws/tunnel.rs`: sent upstream
+//!    on an HTTP/1.1 connection of its own with its upgrade headers, and
+//!    after `101` the two sockets are pumped with bounded buffers (frames
+//!    read with `ws/frame.rs` where a watch needs them).
 //! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
 //!    once, strictly as serde_json would validate it, into a borrowed view of

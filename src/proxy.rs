@@ -59,20 +59,33 @@ pub struct State {
 /// every worker's clones and drops would pull from core to core, twice per
 /// request each. This handle's count is written by its own worker only.
 #[derive(Clone)]
-// The second allocation is the point: a count of this worker's own.
-#[allow(clippy::redundant_allocation)]
-pub struct Local(Arc<Arc<State>>);
+pub struct Local(Arc<Worker>);
+
+/// What one worker thread holds: its handle on the shared state, and its
+/// open WebSockets (which a graceful shutdown waits for).
+struct Worker {
+    state: Arc<State>,
+    sockets: crate::ws::tunnel::Open,
+}
 
 impl Local {
     pub fn new(state: Arc<State>) -> Local {
-        Local(Arc::new(state))
+        Local(Arc::new(Worker {
+            state,
+            sockets: Default::default(),
+        }))
+    }
+
+    /// This worker's open WebSockets.
+    pub fn sockets(&self) -> &crate::ws::tunnel::Open {
+        &self.0.sockets
     }
 }
 
 impl std::ops::Deref for Local {
     type Target = State;
     fn deref(&self) -> &State {
-        &self.0
+        &self.0.state
     }
 }
 
@@ -123,7 +136,7 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
-    fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             ProxyError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBody => StatusCode::BAD_REQUEST,
@@ -176,7 +189,7 @@ impl ProxyError {
 
 /// The provider whose error shape fits a path: its own API, else a guess from
 /// the path, else OpenAI's (the default upstream).
-fn shape_provider(path: &str) -> &'static dyn Provider {
+pub(crate) fn shape_provider(path: &str) -> &'static dyn Provider {
     if let Some(p) = provider::for_path(path) {
         return p;
     }
@@ -264,6 +277,9 @@ pub async fn handle(
     // route: which upstream, and is this an API tidemark understands?
     let path = req.uri().path();
     let upstream = state.config.upstream_for(path);
+    if req.method() == http::Method::GET && crate::ws::tunnel::is_websocket(&req) {
+        return Ok(crate::ws::tunnel::handle(&state, req, upstream, start).await);
+    }
     let api = if req.method() == http::Method::POST {
         provider::for_path(path)
     } else {
@@ -405,7 +421,7 @@ async fn send(
 
 /// The upstream request: same method, path under the upstream's prefix, query
 /// kept, headers minus hop-by-hop and `Host` (the client sets the upstream's).
-fn build_upstream_request(
+pub(crate) fn build_upstream_request(
     parts: &http::request::Parts,
     mut headers: HeaderMap,
     upstream: &Upstream,
