@@ -4,6 +4,7 @@
 //! shutdown, and the socket gauge.
 
 mod support;
+mod trim_support;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -368,6 +369,12 @@ async fn compressed_messages_pass_as_direct() {
         }
     }
     assert_eq!(got, msgs.map(<[u8]>::to_vec));
+    // On the Responses path, where tidemark reads every event (no policy
+    // acting), the bytes are the same too.
+    let direct = run_case(&case, None).await;
+    let responses = run_case(&case, Some("/v1/responses")).await;
+    assert_eq!(responses.server_got, direct.server_got);
+    assert_eq!(responses.client_got, direct.client_got);
     same_as_direct(case).await;
 }
 
@@ -562,7 +569,8 @@ async fn silence_past_the_idle_timeout_closes_both_ends() {
 /// up by TCP, tidemark does not take the flood into memory.
 #[tokio::test]
 async fn a_slow_reader_backs_the_writer_up() {
-    let _sockets = SOCKETS.read().await;
+    // Alone: the RSS measured is the whole test process's.
+    let _sockets = SOCKETS.write().await;
     const FLOOD: u64 = 512 << 20;
     let written = Arc::new(AtomicU64::new(0));
     let w2 = Arc::clone(&written);
@@ -661,4 +669,516 @@ async fn shutdown_gives_open_sockets_the_grace_period() {
     // After the grace period it is closed.
     within(30, stopping).await.unwrap();
     assert_eq!(within(10, s.read(&mut [0u8; 16])).await.unwrap_or(0), 0);
+}
+
+// ---------------------------------------------------------------------------
+// The Responses API's WebSocket mode
+// ---------------------------------------------------------------------------
+
+use serde_json::{json, Value};
+
+/// What the scripted Responses upstream received.
+type Received = Arc<Mutex<Vec<Value>>>;
+
+/// A scripted Responses WebSocket upstream (tungstenite): each
+/// `response.create` is answered with `response.created`, a text delta and
+/// `response.completed` carrying usage, echoing its `stream_id`. The
+/// prompt it reports is the continued response's prompt and output plus a
+/// third of the new input's bytes, so chained turns grow like a real
+/// conversation. `hold`: answer creates in pairs, the second first (two
+/// streams whose responses finish out of order).
+async fn responses_upstream(received: Received, hold: bool) -> SocketAddr {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let received = Arc::clone(&received);
+            tokio::spawn(async move {
+                let Ok(mut ws) = tokio_tungstenite::accept_async(s).await else {
+                    return;
+                };
+                let mut prompts: std::collections::HashMap<String, u64> = Default::default();
+                let mut n = 0;
+                let mut waiting: Vec<Vec<Value>> = Vec::new();
+                while let Some(Ok(m)) = ws.next().await {
+                    let Message::Text(t) = m else { continue };
+                    let v: Value = serde_json::from_str(&t).unwrap_or(Value::Null);
+                    received.lock().unwrap().push(v.clone());
+                    if v["type"] != "response.create" {
+                        continue;
+                    }
+                    n += 1;
+                    let id = format!("resp_{n}");
+                    let before = v["previous_response_id"]
+                        .as_str()
+                        .and_then(|p| prompts.get(p).copied())
+                        .unwrap_or(0);
+                    let real = before + v["input"].to_string().len() as u64 / 3 + 40;
+                    prompts.insert(id.clone(), real + 7);
+                    let stream = v.get("stream_id").cloned();
+                    let with_stream = |mut e: Value| {
+                        if let Some(s) = &stream {
+                            e["stream_id"] = s.clone();
+                        }
+                        e
+                    };
+                    let events = vec![
+                        with_stream(json!({"type": "response.created",
+                            "response": {"id": id, "status": "in_progress", "usage": null}})),
+                        with_stream(json!({"type": "response.output_text.delta", "delta": "ok"})),
+                        with_stream(json!({"type": "response.completed", "response": {
+                            "id": id, "status": "completed",
+                            "usage": {"input_tokens": real, "output_tokens": 7,
+                                      "input_tokens_details": {"cached_tokens": 0}}}})),
+                    ];
+                    waiting.push(events);
+                    if hold && waiting.len() < 2 {
+                        continue;
+                    }
+                    for events in waiting.drain(..).rev() {
+                        for e in events {
+                            let _ = ws.send(Message::text(e.to_string())).await;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+type Client = tokio_tungstenite::WebSocketStream<TcpStream>;
+
+/// A tungstenite client's socket to `/v1/responses` through `proxy`, with
+/// extra handshake headers.
+async fn responses_client(proxy: &Proxy, headers: &[(&str, &str)]) -> Client {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = format!("ws://{}/v1/responses", proxy.addr)
+        .into_client_request()
+        .unwrap();
+    for (k, v) in headers {
+        req.headers_mut().insert(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    let s = TcpStream::connect(proxy.addr).await.unwrap();
+    within(10, tokio_tungstenite::client_async(req, s))
+        .await
+        .unwrap()
+        .0
+}
+
+/// Send an event; read events until one of the given types (the last
+/// event read comes back).
+async fn turn(ws: &mut Client, event: Value, until: &[&str]) -> Vec<Value> {
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::Message;
+    ws.send(Message::text(event.to_string())).await.unwrap();
+    read_until(ws, until).await
+}
+
+async fn read_until(ws: &mut Client, until: &[&str]) -> Vec<Value> {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let mut got = Vec::new();
+    loop {
+        let m = within(10, ws.next())
+            .await
+            .expect("open")
+            .expect("a message");
+        if let Message::Text(t) = m {
+            let v: Value = serde_json::from_str(&t).unwrap();
+            let done = until.iter().any(|u| v["type"] == *u);
+            got.push(v);
+            if done {
+                return got;
+            }
+        }
+    }
+}
+
+fn user(text: &str) -> Value {
+    json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+}
+
+async fn session(proxy: &Proxy, key: &str) -> Value {
+    let (parts, body) = get(&client_h1(), &proxy.admin_url(&format!("/sessions/{key}"))).await;
+    assert_eq!(parts.status, 200, "{}", String::from_utf8_lossy(&body));
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// Three turns over one socket, each sending only its new input with
+/// `previous_response_id` as Codex does: the session anchors on each
+/// `response.completed`, and `/sessions` and the metrics show it.
+#[tokio::test]
+async fn turns_over_one_socket_anchor_the_session() {
+    let _sockets = SOCKETS.read().await;
+    let received = Received::default();
+    let up = responses_upstream(Arc::clone(&received), false).await;
+    let proxy = proxy(&format!("http://{up}"), &[]).await;
+    let mut ws = responses_client(
+        &proxy,
+        &[
+            ("authorization", "Bearer sk-ws"),
+            ("x-session-id", "ws-anchor"),
+        ],
+    )
+    .await;
+    let mut previous: Option<String> = None;
+    let mut reals = Vec::new();
+    for t in 0..3 {
+        let mut event = json!({"type": "response.create", "model": "gpt-4o",
+            "instructions": "You are terse.",
+            "input": [user(&format!("turn {t}: {}", "words ".repeat(50 * (t + 1))))]});
+        if let Some(p) = &previous {
+            event["previous_response_id"] = json!(p);
+        }
+        let got = turn(&mut ws, event, &["response.completed"]).await;
+        let done = got.last().unwrap();
+        previous = done["response"]["id"].as_str().map(str::to_string);
+        reals.push(done["response"]["usage"]["input_tokens"].as_u64().unwrap());
+        // The session has heard this turn's end once the client has it.
+        within(10, async {
+            while session(&proxy, "ws-anchor").await["turns"] != json!(t + 1) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        let s = session(&proxy, "ws-anchor").await;
+        assert_eq!(s["anchor"]["real"], json!(reals[t]), "{s}");
+        assert_eq!(s["state"], "anchored");
+        assert_eq!(s["api"], "openai-responses");
+    }
+    // The events reached the upstream as the client sent them.
+    let sent = received.lock().unwrap().clone();
+    assert_eq!(sent.len(), 3);
+    assert_eq!(sent[2]["previous_response_id"], "resp_2");
+    // The last projection was anchored on the second turn's real count:
+    // within the new input's estimate of it.
+    let s = session(&proxy, "ws-anchor").await;
+    let projection = s["projection"].as_u64().unwrap();
+    assert!(
+        projection > reals[1] && projection < reals[2] * 2,
+        "projection {projection}, reals {reals:?}"
+    );
+    let (_, m) = get(&client_h1(), &proxy.admin_url("/metrics")).await;
+    let m = String::from_utf8_lossy(&m);
+    let real_total = m
+        .lines()
+        .find(|l| {
+            l.starts_with("tidemark_prompt_tokens_real_total{")
+                && l.contains("api=\"openai-responses\"")
+                && l.contains("model=\"gpt-4o\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(real_total >= reals.iter().sum::<u64>(), "{real_total}");
+    drop(ws);
+    proxy.stop().await;
+}
+
+/// `--on-over reject`: an event over the line is answered with the API's
+/// own `error` event and never reaches the upstream; the socket carries
+/// the next event as before.
+#[tokio::test]
+async fn reject_answers_with_an_error_event_and_the_socket_stays_usable() {
+    let _sockets = SOCKETS.read().await;
+    let received = Received::default();
+    let up = responses_upstream(Arc::clone(&received), false).await;
+    let proxy = proxy(
+        &format!("http://{up}"),
+        &["--on-over", "reject", "--context-window", "ws-small=2000"],
+    )
+    .await;
+    let mut ws = responses_client(&proxy, &[("x-session-id", "ws-reject")]).await;
+    let small = json!({"type": "response.create", "model": "ws-small", "input": [user("hello")]});
+    let got = turn(&mut ws, small.clone(), &["response.completed"]).await;
+    assert_eq!(got.last().unwrap()["type"], "response.completed");
+    let big = json!({"type": "response.create", "model": "ws-small",
+        "input": [user(&"many words here ".repeat(2000))]});
+    let got = turn(&mut ws, big, &["error", "response.completed"]).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    let e = &got[0];
+    assert_eq!(e["type"], "error", "{e}");
+    assert_eq!(e["status"], 400);
+    assert_eq!(e["error"]["code"], "context_length_exceeded");
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("This model's maximum context length is 2000 tokens. However, your messages resulted in "),
+        "{msg}"
+    );
+    // The socket stays open and usable.
+    let got = turn(&mut ws, small, &["response.completed"]).await;
+    assert_eq!(got.last().unwrap()["type"], "response.completed");
+    let sent = received.lock().unwrap().clone();
+    assert_eq!(sent.len(), 2, "the rejected event never left: {sent:?}");
+    drop(ws);
+    proxy.stop().await;
+}
+
+/// `--on-over trim`: a long history over the line reaches the upstream as
+/// a smaller `response.create` (newest message kept), and the answer
+/// comes back.
+#[tokio::test]
+async fn trim_forwards_a_smaller_event() {
+    use tidemark::provider::Api;
+    let _sockets = SOCKETS.read().await;
+    let received = Received::default();
+    let up = responses_upstream(Arc::clone(&received), false).await;
+    let proxy = proxy(
+        &format!("http://{up}"),
+        &["--on-over", "trim", "--context-window", "gpt-5=6000"],
+    )
+    .await;
+    let mut ws = responses_client(&proxy, &[("x-session-id", "ws-trim")]).await;
+    let script = trim_support::agent_script(12, 2, 600);
+    let mut event: Value =
+        serde_json::from_slice(&trim_support::render(Api::OpenAiResponses, &script, false))
+            .unwrap();
+    event.as_object_mut().unwrap().remove("stream");
+    event["type"] = json!("response.create");
+    let items = event["input"].as_array().unwrap().len();
+    let got = turn(&mut ws, event.clone(), &["response.completed", "error"]).await;
+    assert_eq!(got.last().unwrap()["type"], "response.completed", "{got:?}");
+    let sent = received.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    let fwd = &sent[0];
+    assert_eq!(fwd["type"], "response.create");
+    let kept = fwd["input"].as_array().unwrap();
+    assert!(kept.len() < items, "{} of {items} items kept", kept.len());
+    assert_eq!(kept.last(), event["input"].as_array().unwrap().last());
+    assert_eq!(fwd["instructions"], event["instructions"]);
+    drop(ws);
+    proxy.stop().await;
+}
+
+/// Two streams on one socket (the multi-stream beta), whose responses
+/// finish in the other order: each turn is recorded with its own
+/// stream's usage, so each conversation's session is anchored on its own
+/// real count. TODO(lanes): with the sessions helper's lanes, the two
+/// streams become two lanes of one session.
+#[tokio::test]
+async fn two_streams_on_one_socket_keep_their_own_turns() {
+    let _sockets = SOCKETS.read().await;
+    let received = Received::default();
+    let up = responses_upstream(Arc::clone(&received), true).await;
+    let proxy = proxy(&format!("http://{up}"), &[]).await;
+    let mut ws = responses_client(&proxy, &[("authorization", "Bearer sk-two")]).await;
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let long = json!({"type": "response.create", "model": "gpt-4o", "stream_id": "main",
+        "input": [user(&format!("main loop {}", "context ".repeat(3000)))]});
+    let short = json!({"type": "response.create", "model": "gpt-4o-mini", "stream_id": "title",
+        "input": [user("title this")]});
+    ws.send(Message::text(long.to_string())).await.unwrap();
+    ws.send(Message::text(short.to_string())).await.unwrap();
+    let mut completed = Vec::new();
+    while completed.len() < 2 {
+        let got = read_until(&mut ws, &["response.completed"]).await;
+        completed.push(got.last().unwrap().clone());
+    }
+    // The title stream finished first.
+    assert_eq!(completed[0]["stream_id"], "title");
+    let real = |stream: &str| {
+        completed.iter().find(|c| c["stream_id"] == stream).unwrap()["response"]["usage"]
+            ["input_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let (main_real, title_real) = (real("main"), real("title"));
+    let list = within(10, async {
+        loop {
+            let (_, body) = get(&client_h1(), &proxy.admin_url("/sessions")).await;
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            let ours: Vec<Value> = v["sessions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|s| s["model"] == "gpt-4o" || s["model"] == "gpt-4o-mini")
+                .filter(|s| s["turns"] == 1 && !s["anchor"].is_null())
+                .cloned()
+                .collect();
+            if ours.len() >= 2 {
+                break ours;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    let by_model = |m: &str| list.iter().find(|s| s["model"] == m).unwrap().clone();
+    assert_eq!(by_model("gpt-4o")["anchor"]["real"], json!(main_real));
+    assert_eq!(by_model("gpt-4o-mini")["anchor"]["real"], json!(title_real));
+    drop(ws);
+    proxy.stop().await;
+}
+
+/// permessage-deflate with the client's context takeover: a compressed
+/// event tidemark rejects never reaches the server, whose inflater then
+/// lacks its window, so the next compressed event (which refers back into
+/// the rejected one) reaches the server decompressed. The first event,
+/// which no policy stopped, reaches it byte for byte; the error event
+/// reaches the client uncompressed.
+#[tokio::test]
+async fn after_a_dropped_compressed_event_the_next_goes_decompressed() {
+    let _sockets = SOCKETS.read().await;
+    use tidemark::ws::frame::{Event, MessageReader};
+    // The server: agrees permessage-deflate, records each frame's bytes
+    // (and the message they make), answers each create with completed.
+    let frames = Arc::new(Mutex::new(Vec::<(Vec<u8>, Vec<u8>, bool)>::new()));
+    let f2 = Arc::clone(&frames);
+    let up = raw_upstream(Arc::new(move |mut s, head, rest| {
+        let frames = Arc::clone(&f2);
+        Box::pin(async move {
+            s.write_all(switching(&head, Some("permessage-deflate")).as_bytes())
+                .await
+                .unwrap();
+            let mut r = MessageReader::new(1 << 20, Some(Inflater::new(false)));
+            let mut buf = rest;
+            let mut scratch = vec![0u8; 65536];
+            let mut n_resp = 0;
+            loop {
+                let mut at = 0;
+                let mut start = 0;
+                while at < buf.len() {
+                    let Ok((n, ev)) = r.feed(&buf[at..]) else {
+                        frames.lock().unwrap().push((
+                            buf[start..].to_vec(),
+                            b"BROKEN".to_vec(),
+                            false,
+                        ));
+                        return;
+                    };
+                    at += n;
+                    if let Some(Event::Message {
+                        compressed,
+                        payload,
+                        ..
+                    }) = ev
+                    {
+                        frames.lock().unwrap().push((
+                            buf[start..at].to_vec(),
+                            payload.to_vec(),
+                            compressed,
+                        ));
+                        start = at;
+                        n_resp += 1;
+                        let done = json!({"type": "response.completed", "response": {
+                            "id": format!("resp_{n_resp}"),
+                            "usage": {"input_tokens": 100, "output_tokens": 1}}});
+                        let f = frame(true, false, Opcode::Text, None, done.to_string().as_bytes());
+                        if s.write_all(&f).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                buf.drain(..start.min(buf.len()));
+                if at < start {
+                    buf.clear();
+                }
+                let k = s.read(&mut scratch).await.unwrap_or(0);
+                if k == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&scratch[..k]);
+            }
+        })
+    }))
+    .await;
+    let proxy = proxy(
+        &format!("http://{up}"),
+        &["--on-over", "reject", "--context-window", "ws-deflate=3000"],
+    )
+    .await;
+    let (mut s, head, rest) = open(
+        proxy.addr,
+        "/v1/responses",
+        "x-session-id: ws-deflate\r\nSec-WebSocket-Extensions: permessage-deflate\r\n",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert_eq!(
+        header(&head, "sec-websocket-extensions"),
+        Some("permessage-deflate")
+    );
+    let phrase = "zebra quantum xylophone marmalade";
+    let events = [
+        json!({"type": "response.create", "model": "ws-deflate", "input": [user("hi")]}),
+        json!({"type": "response.create", "model": "ws-deflate",
+            "input": [user(&format!("{phrase} {}", "filler text ".repeat(1500)))]}),
+        json!({"type": "response.create", "model": "ws-deflate",
+            "input": [user(&format!("{phrase} again"))]}),
+    ];
+    let mut deflater = Deflater::new(false);
+    let mut client_reader = MessageReader::new(1 << 20, Some(Inflater::new(false)));
+    let mut pending = rest;
+    let mut wire_sent = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        let f = frame(
+            true,
+            true,
+            Opcode::Text,
+            M,
+            &deflater.compress(e.to_string().as_bytes()),
+        );
+        wire_sent.push(f.clone());
+        s.write_all(&f).await.unwrap();
+        // One answer per event: completed, or tidemark's error.
+        let (got, compressed) = within(10, async {
+            loop {
+                let mut at = 0;
+                while at < pending.len() {
+                    let (n, ev) = client_reader.feed(&pending[at..]).unwrap();
+                    at += n;
+                    if let Some(Event::Message {
+                        payload,
+                        compressed,
+                        ..
+                    }) = ev
+                    {
+                        pending.drain(..at);
+                        return (
+                            serde_json::from_slice::<Value>(&payload).unwrap(),
+                            compressed,
+                        );
+                    }
+                }
+                pending.clear();
+                let mut b = vec![0u8; 65536];
+                let k = s.read(&mut b).await.unwrap();
+                assert!(k > 0, "closed");
+                pending.extend_from_slice(&b[..k]);
+            }
+        })
+        .await;
+        match i {
+            1 => {
+                assert_eq!(got["type"], "error", "{got}");
+                assert_eq!(got["error"]["code"], "context_length_exceeded");
+                assert!(!compressed, "tidemark's frame goes uncompressed");
+            }
+            _ => assert_eq!(got["type"], "response.completed", "{i}: {got}"),
+        }
+    }
+    let frames = frames.lock().unwrap().clone();
+    assert_eq!(
+        frames.len(),
+        2,
+        "the rejected event never reached the server"
+    );
+    // The first went as the client sent it.
+    assert_eq!(frames[0].0, wire_sent[0]);
+    assert!(frames[0].2);
+    // The third refers back into the rejected one's window: it went
+    // decompressed, and reads as sent.
+    assert!(!frames[1].2, "forwarded without RSV1");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&frames[1].1).unwrap(),
+        events[2]
+    );
+    drop(s);
+    proxy.stop().await;
 }

@@ -16,6 +16,7 @@
 
 pub mod deflate;
 pub mod frame;
+pub mod responses;
 pub mod tunnel;
 
 use base64::Engine as _;

@@ -145,6 +145,8 @@ pub async fn handle(
         return proxy::error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes);
     };
     upgrade.put_back(up.headers_mut());
+    // What the Responses mode reads of the handshake: who is asking.
+    let handshake = responses.then(|| super::responses::Handshake::new(&parts));
     let sent = Instant::now();
     m.api(api)
         .proxy_overhead()
@@ -186,6 +188,7 @@ pub async fn handle(
             let ws_api = if responses { api } else { "none" };
             let held = state.sockets().enter(ws_api);
             let idle = state.config.idle_timeout;
+            let watch = handshake.and_then(|h| h.watch(state, &rheaders));
             tokio::spawn(async move {
                 let _held = held;
                 // The client's side once hyper has written the 101.
@@ -193,7 +196,11 @@ pub async fn handle(
                     return;
                 };
                 let client = TokioIo::new(client);
-                if let Err(e) = pump(client, io, Plain, idle).await {
+                let end = match watch {
+                    Some(w) => pump(client, io, w, idle).await,
+                    None => pump(client, io, Plain, idle).await,
+                };
+                if let Err(e) = end {
                     tracing::debug!(error = %e, "websocket ended");
                 }
             });
@@ -273,6 +280,16 @@ pub trait Watch: Send {
     fn client_sent(&mut self, data: Bytes, to_server: &mut Out, to_client: &mut Out);
     /// Bytes the server sent.
     fn server_sent(&mut self, data: Bytes, to_client: &mut Out);
+    /// Work of the watch's own that came due (a decision on a held
+    /// message): what it releases is pushed as above. True if anything was.
+    fn poll(&mut self, _cx: &mut Context<'_>, _to_server: &mut Out, _to_client: &mut Out) -> bool {
+        false
+    }
+    /// Stop reading the client while true (a held message is being
+    /// decided; what follows it waits in the client's socket).
+    fn hold_client(&self) -> bool {
+        false
+    }
     /// The socket ended (either side closed, an error, the idle timeout).
     fn end(&mut self) {}
 }
@@ -410,8 +427,12 @@ where
             loop {
                 flush(&mut up, &mut server, cx, &mut active)?;
                 flush(&mut down, &mut client, cx, &mut active)?;
-                let mut progressed = false;
-                match fill(&mut up, &mut client, cx, &mut active)? {
+                let mut progressed = watch.poll(cx, &mut up.out, &mut down.out);
+                let client_filled = match watch.hold_client() {
+                    true => Filled::Nothing,
+                    false => fill(&mut up, &mut client, cx, &mut active)?,
+                };
+                match client_filled {
                     Filled::Data(b) => {
                         watch.client_sent(b, &mut up.out, &mut down.out);
                         progressed = true;
