@@ -38,6 +38,14 @@ use crate::provider::{Api, ErrorShape, Observed};
 use crate::proxy::{self, Estimating, Local, ProxyError, Verdict};
 use crate::session::{Begun, RequestFacts};
 
+/// Turns being begun at once on a socket before its client is read no
+/// further (a client sending events faster than they are estimated).
+const MAX_BEGINS: usize = 64;
+/// Turns a socket keeps open waiting for their ends; past it the oldest
+/// is given up (failed), so a server that never ends a response, or a
+/// client naming endless streams, cannot grow the socket's state.
+const MAX_OPEN: usize = 1024;
+
 /// What the handshake tells of every turn on the socket: who is asking.
 pub struct Handshake {
     headers: HeaderMap,
@@ -449,6 +457,24 @@ impl Responses {
     }
 
     fn opened(&mut self, turn: Turn) {
+        if self.open.values().map(VecDeque::len).sum::<usize>() >= MAX_OPEN {
+            let oldest = self
+                .open
+                .iter_mut()
+                .filter_map(|(k, q)| Some((q.front()?.begun.ticket.seq(), k.clone())))
+                .min();
+            let given_up = oldest.and_then(|(_, k)| {
+                let q = self.open.get_mut(&k)?;
+                let t = q.pop_front();
+                if q.is_empty() {
+                    self.open.remove(&k);
+                }
+                t
+            });
+            if let Some(t) = given_up {
+                end_turn(&self.state, t, 502, false, Observed::default());
+            }
+        }
         self.open
             .entry(turn.stream.clone())
             .or_default()
@@ -668,7 +694,7 @@ impl Watch for Responses {
     }
 
     fn hold_client(&self) -> bool {
-        self.deciding.is_some()
+        self.deciding.is_some() || self.jobs.len() >= MAX_BEGINS
     }
 
     fn end(&mut self) {
