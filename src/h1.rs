@@ -820,6 +820,12 @@ impl<T: AsyncRead + AsyncWrite + Unpin> Conn<T> {
     pub fn clean(&self) -> bool {
         self.buf.is_empty()
     }
+
+    /// The socket, and what was read past the response head: after a
+    /// `101`, the first bytes of the protocol switched to.
+    pub fn into_parts(self) -> (T, BytesMut) {
+        (self.io, self.buf)
+    }
 }
 
 #[cfg(test)]

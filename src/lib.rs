@@ -13,6 +13,13 @@
 //!    picks the upstream (`config.rs`); `provider::for_path` decides whether the
 //!    path is an API tidemark understands (`provider/`, one file per API).
 //!    Anything else streams through untouched (`proxy.rs::passthrough`).
+//!    A WebSocket handshake (any path) goes to `ws/tunnel.rs`: sent upstream
+//!    on an HTTP/1.1 connection of its own with its upgrade headers, and
+//!    after `101` the two sockets are pumped with bounded buffers. On the
+//!    Responses API's WebSocket mode (`ws/responses.rs`) the frames are
+//!    read (`ws/frame.rs`, `ws/deflate.rs`) and each `response.create`
+//!    event is a turn through the same phases as a POST (`proxy.rs`:
+//!    `identify`, `estimate`, `project`, `decide`, `record`).
 //! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
 //!    once, strictly as serde_json would validate it, into a borrowed view of
@@ -78,6 +85,7 @@ pub mod trim;
 pub mod upstream;
 pub mod usage;
 pub mod window;
+pub mod ws;
 
 pub use config::Config;
 pub use server::run;

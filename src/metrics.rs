@@ -42,6 +42,8 @@ pub struct Metrics {
     pub state_errors: IntCounter,
     /// Kept so the registry is not empty of process info on platforms without it.
     pub up: Gauge,
+    /// Open proxied WebSockets, by `api` (`openai-responses`, or `none`).
+    pub websockets: IntGaugeVec,
     /// Model label values seen, each with its series per API.
     models: Mutex<HashMap<String, Vec<&'static Series>>>,
     /// Per-API handles into the `[api]` families, by [`API_LABELS`] index.
@@ -202,6 +204,17 @@ impl Metrics {
         r.register(Box::new(up.clone()))
             .expect("metric registered once");
         up.set(1.0);
+        let websockets = IntGaugeVec::new(
+            Opts::new("tidemark_websockets", "open proxied WebSockets"),
+            &["api"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(websockets.clone()))
+            .expect("metric registered once");
+        // Both values from start-up, at zero.
+        for api in ["openai-responses", "none"] {
+            websockets.with_label_values(&[api]).set(0);
+        }
         Metrics {
             requests: counter(
                 &r,
@@ -339,6 +352,7 @@ impl Metrics {
             ),
             state_errors,
             up,
+            websockets,
             registry: r,
             models: Mutex::new(HashMap::new()),
             apis: API_LABELS.map(ApiSeries::new),

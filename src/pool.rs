@@ -84,6 +84,25 @@ impl std::hash::Hash for Key {
     }
 }
 
+impl Key {
+    /// The key of an absolute URI.
+    fn of(uri: &Uri) -> Result<Key, UpstreamError> {
+        match (uri.scheme(), uri.authority()) {
+            (Some(s), Some(a)) => Ok(Key(s.clone(), a.clone())),
+            _ => Err(UpstreamError::Connect),
+        }
+    }
+
+    /// `Host` for a request that has none: this key's authority.
+    fn host(&self, req: &mut Request<UpBody>) {
+        if !req.headers().contains_key(HOST) {
+            if let Some(v) = crate::upstream::host_value(&self.1) {
+                req.headers_mut().insert(HOST, v);
+            }
+        }
+    }
+}
+
 struct Idle {
     h1: Box<H1>,
     since: Instant,
@@ -97,6 +116,9 @@ type IdlePool = Mutex<HashMap<Key, Vec<Idle>>>;
 
 struct Shared {
     connector: TimedConnector,
+    /// The same, offering only HTTP/1.1 by ALPN: an upgrade (WebSocket)
+    /// needs an HTTP/1.1 connection of its own.
+    connector_h1: TimedConnector,
     /// Idle connections, one pool per worker thread (`server::Worker`): a
     /// socket is watched by the event loop of the thread that opened it, so
     /// one used from another thread would cross threads on every read.
@@ -122,12 +144,14 @@ impl Client {
     /// `workers`: how many worker threads keep pools of their own.
     pub fn new(
         connector: TimedConnector,
+        connector_h1: TimedConnector,
         workers: usize,
         max_idle_per_host: usize,
         idle_timeout: Duration,
     ) -> Self {
         Client(Arc::new(Shared {
             connector,
+            connector_h1,
             idle: (0..workers.max(1))
                 .map(|_| Mutex::new(HashMap::default()))
                 .collect(),
@@ -143,11 +167,7 @@ impl Client {
         req: Request<UpBody>,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let uri = req.uri().clone();
-        let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned())
-        else {
-            return Err(UpstreamError::Connect);
-        };
-        let key = Key(scheme, authority);
+        let key = Key::of(&uri)?;
         let mut req = req;
         if let Some(h2) = self.h2_for(&key) {
             match send_h2(h2, &key, req).await {
@@ -242,28 +262,142 @@ impl Client {
         mut req: Request<UpBody>,
         reused: bool,
     ) -> Result<Response<UpstreamBody>, Retry> {
-        if !req.headers().contains_key(HOST) {
-            if let Some(v) = crate::upstream::host_value(&key.1) {
-                req.headers_mut().insert(HOST, v);
-            }
-        }
+        key.host(&mut req);
         match h1::send(&mut h1, req, reused).await {
             Ok(Sent::NotSent(req)) => Err(Retry::Again(req)),
-            Ok(Sent::Response(r)) => {
-                let driven = Driven {
-                    h1,
-                    reader: r.body,
-                    key: key.clone(),
-                    pool: Arc::clone(&self.0),
-                };
-                let mut resp = Response::new(UpstreamBody::new(Src::H1(driven)));
-                *resp.status_mut() = r.head.status;
-                *resp.version_mut() = r.head.version;
-                *resp.headers_mut() = r.head.headers;
-                Ok(resp)
-            }
+            Ok(Sent::Response(r)) => Ok(self.h1_response(h1, key, r)),
             Err(e) => Err(Retry::Failed(UpstreamError::classify(&e, false))),
         }
+    }
+
+    /// A response on an HTTP/1.1 connection, its body reading the connection.
+    fn h1_response(&self, h1: Box<H1>, key: &Key, r: h1::Response) -> Response<UpstreamBody> {
+        let driven = Driven {
+            h1,
+            reader: r.body,
+            key: key.clone(),
+            pool: Arc::clone(&self.0),
+        };
+        let mut resp = Response::new(UpstreamBody::new(Src::H1(driven)));
+        *resp.status_mut() = r.head.status;
+        *resp.version_mut() = r.head.version;
+        *resp.headers_mut() = r.head.headers;
+        resp
+    }
+
+    /// Send an upgrade request (`Connection: upgrade`, a WebSocket
+    /// handshake) on HTTP/1.1, whatever the upstream offers by ALPN, and
+    /// wait for the response head. A `101` hands the connection over: it
+    /// never goes back to the pool. Any other answer is an ordinary
+    /// response (and its connection may be reused after it).
+    pub async fn upgrade(&self, req: Request<UpBody>) -> Result<Upgrade, UpstreamError> {
+        let uri = req.uri().clone();
+        let key = Key::of(&uri)?;
+        let mut req = req;
+        while let Some(idle) = self.checkout(&key) {
+            match self.send_upgrade(idle.h1, &key, req, true).await {
+                Ok(u) => return Ok(u),
+                Err(Retry::Again(r)) => req = r,
+                Err(Retry::Failed(e)) => return Err(e),
+            }
+        }
+        let io = self
+            .0
+            .connector_h1
+            .clone()
+            .call(uri)
+            .await
+            .map_err(|e| UpstreamError::classify(&*e, true))?;
+        let h1 = Box::new(h1::Conn::new(TokioIo::new(io)));
+        self.send_upgrade(h1, &key, req, false)
+            .await
+            .map_err(|e| match e {
+                Retry::Again(_) => UpstreamError::Reset,
+                Retry::Failed(e) => e,
+            })
+    }
+
+    async fn send_upgrade(
+        &self,
+        mut h1: Box<H1>,
+        key: &Key,
+        mut req: Request<UpBody>,
+        reused: bool,
+    ) -> Result<Upgrade, Retry> {
+        key.host(&mut req);
+        match h1::send(&mut h1, req, reused).await {
+            Ok(Sent::NotSent(req)) => Err(Retry::Again(req)),
+            Ok(Sent::Response(r)) if r.head.status == http::StatusCode::SWITCHING_PROTOCOLS => {
+                let (io, read) = h1.into_parts();
+                Ok(Upgrade::Switched {
+                    head: r.head,
+                    io: UpgradedIo {
+                        io: Box::new(io),
+                        read,
+                    },
+                })
+            }
+            Ok(Sent::Response(r)) => Ok(Upgrade::Refused(self.h1_response(h1, key, r))),
+            Err(e) => Err(Retry::Failed(UpstreamError::classify(&e, false))),
+        }
+    }
+}
+
+/// What an upgrade request came to.
+#[allow(clippy::large_enum_variant)] // moved once per handshake, never stored
+pub enum Upgrade {
+    /// `101 Switching Protocols`: its head, and the connection, now raw.
+    Switched { head: h1::Head, io: UpgradedIo },
+    /// Any other answer, as an ordinary response.
+    Refused(Response<UpstreamBody>),
+}
+
+/// An upstream connection after `101`: the bytes that came with the head
+/// first, then the socket (TLS for an https upstream: `wss`).
+pub struct UpgradedIo {
+    /// Boxed as the pool boxes it: the TLS state is kilobytes.
+    io: Box<TokioIo<MaybeHttpsStream<TokioIo<TcpStream>>>>,
+    read: BytesMut,
+}
+
+impl tokio::io::AsyncRead for UpgradedIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.read.is_empty() {
+            let n = self.read.len().min(buf.remaining());
+            buf.put_slice(&self.read.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut *self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for UpgradedIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut *self.io).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut *self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut *self.io).poll_shutdown(cx)
     }
 }
 

@@ -1,6 +1,8 @@
 //! The spine: one function runs a request's phases in order — route, inspect,
 //! session, policy, upstream, tap, record — and one function maps every error
-//! tidemark produces to a response in the API's own shape.
+//! tidemark produces to a response in the API's own shape. The phases a
+//! WebSocket turn shares with it are functions of their own: `identify`,
+//! `estimate`, `project`, `decide`, `record`.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -27,8 +29,8 @@ use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
 use crate::session::{
-    decimal, Begun, Outcome, Projection, Record, RequestFacts, SessionConfig, Sessions, Shared,
-    Ticket,
+    decimal, Begun, Outcome, Projection, Record, RequestFacts, Ruler, SessionConfig, Sessions,
+    Shared, Ticket,
 };
 use crate::state::{CalField, RedisState};
 use crate::tap::{Finish, ObservedBody, Watch};
@@ -59,20 +61,33 @@ pub struct State {
 /// every worker's clones and drops would pull from core to core, twice per
 /// request each. This handle's count is written by its own worker only.
 #[derive(Clone)]
-// The second allocation is the point: a count of this worker's own.
-#[allow(clippy::redundant_allocation)]
-pub struct Local(Arc<Arc<State>>);
+pub struct Local(Arc<Worker>);
+
+/// What one worker thread holds: its handle on the shared state, and its
+/// open WebSockets (which a graceful shutdown waits for).
+struct Worker {
+    state: Arc<State>,
+    sockets: crate::ws::tunnel::Open,
+}
 
 impl Local {
     pub fn new(state: Arc<State>) -> Local {
-        Local(Arc::new(state))
+        Local(Arc::new(Worker {
+            state,
+            sockets: Default::default(),
+        }))
+    }
+
+    /// This worker's open WebSockets.
+    pub fn sockets(&self) -> &crate::ws::tunnel::Open {
+        &self.0.sockets
     }
 }
 
 impl std::ops::Deref for Local {
     type Target = State;
     fn deref(&self) -> &State {
-        &self.0
+        &self.0.state
     }
 }
 
@@ -123,7 +138,7 @@ pub enum ProxyError {
 }
 
 impl ProxyError {
-    fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             ProxyError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::ClientBody => StatusCode::BAD_REQUEST,
@@ -135,7 +150,7 @@ impl ProxyError {
             }
         }
     }
-    fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             ProxyError::BodyTooLarge => "body-too-large",
             ProxyError::ClientBody => "client-body",
@@ -145,7 +160,7 @@ impl ProxyError {
             ProxyError::SessionBudget { .. } => "session-budget",
         }
     }
-    fn message(&self, max_body: usize) -> String {
+    pub(crate) fn message(&self, max_body: usize) -> String {
         match self {
             ProxyError::BodyTooLarge => {
                 format!("request body exceeds the proxy's limit of {max_body} bytes")
@@ -176,7 +191,7 @@ impl ProxyError {
 
 /// The provider whose error shape fits a path: its own API, else a guess from
 /// the path, else OpenAI's (the default upstream).
-fn shape_provider(path: &str) -> &'static dyn Provider {
+pub(crate) fn shape_provider(path: &str) -> &'static dyn Provider {
     if let Some(p) = provider::for_path(path) {
         return p;
     }
@@ -264,6 +279,9 @@ pub async fn handle(
     // route: which upstream, and is this an API tidemark understands?
     let path = req.uri().path();
     let upstream = state.config.upstream_for(path);
+    if req.method() == http::Method::GET && crate::ws::tunnel::is_websocket(&req) {
+        return Ok(crate::ws::tunnel::handle(&state, req, upstream, start).await);
+    }
     let api = if req.method() == http::Method::POST {
         provider::for_path(path)
     } else {
@@ -405,7 +423,7 @@ async fn send(
 
 /// The upstream request: same method, path under the upstream's prefix, query
 /// kept, headers minus hop-by-hop and `Host` (the client sets the upstream's).
-fn build_upstream_request(
+pub(crate) fn build_upstream_request(
     parts: &http::request::Parts,
     mut headers: HeaderMap,
     upstream: &Upstream,
@@ -788,10 +806,11 @@ async fn api_request(
     // Who is asking: cheap (a hash of the credential, and of the messages up
     // to the first user message), so it comes before the request leaves.
     let model = p.model(path, &view);
-    let asked = asking(&parts.headers, &cfg.session_headers);
-    let credential = credential_hash(asked.credential, query);
-    let key = session_key(cfg, asked.session, p, &view, &credential);
-    let reset = asked.reset;
+    let Identity {
+        credential,
+        key,
+        reset,
+    } = identify(cfg, &parts.headers, query, p, &view);
     let continues = p.continues(&view);
     // Forwarded before it is projected, the request takes its place in the
     // session's order now, so two in flight keep the order they came in.
@@ -823,21 +842,16 @@ async fn api_request(
     // A worker thread serves many connections: a cold long history (8 ms
     // for 400 KB, 43 ms for 2 MB on the README's 2-core box) is estimated
     // on the blocking pool, so the others' streams do not wait behind it.
-    let estimate =
-        match state
-            .estimator
-            .estimate_bounded(p, &view, model.as_deref(), INLINE_ESTIMATE_BYTES)
-        {
-            Some(e) => e,
-            None => {
-                let elsewhere = estimate_blocking(state, p, decoded.clone(), model.clone());
-                let e = match early.as_mut() {
-                    Some((sending, first, _, _)) => alongside(elsewhere, sending, first).await,
-                    None => elsewhere.await,
-                };
-                e.unwrap_or_else(|| state.estimator.estimate(p, &view, model.as_deref()))
-            }
-        };
+    let estimate = match estimate(state, p, &view, decoded.clone(), model.as_deref()) {
+        Estimating::Done(e) => e,
+        Estimating::Elsewhere(elsewhere) => {
+            let e = match early.as_mut() {
+                Some((sending, first, _, _)) => alongside(elsewhere, sending, first).await,
+                None => elsewhere.await,
+            };
+            e.unwrap_or_else(|| state.estimator.estimate(p, &view, model.as_deref()))
+        }
+    };
     let window = model
         .as_deref()
         .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
@@ -885,10 +899,7 @@ async fn api_request(
         counted: None,
         continues,
     };
-    let mut begun = match fetched {
-        Some(f) => state.sessions.begin_shared(facts, Some(f)),
-        None => state.sessions.begin_in_order(facts, order),
-    };
+    let mut begun = project(state, series, facts, order, fetched);
     // --exact-cold-start: no anchor, so ask the provider's own counter.
     if cfg.exact_cold_start && begun.anchorless() {
         if let Some((cpath, cbody)) = p.count_request(path, &view) {
@@ -912,29 +923,17 @@ async fn api_request(
         shared,
         local_state,
     };
-    if let Some(u) = ins.begun.projection.util() {
-        ins.series.utilization().observe(u);
-    }
 
     // policy: session budget, then the context budget.
-    if let Some(budget) = cfg.session_budget {
-        if ins.begun.spent > budget {
-            let err = ProxyError::SessionBudget {
-                spent: ins.begun.spent,
-                budget,
-            };
-            return reject(state, p, ins, &err);
-        }
-    }
-    if let Some(w) = ins.begun.projection.window {
-        let reserve = if cfg.reserve_output {
-            ins.max_output.unwrap_or(0)
-        } else {
-            0
-        };
-        let projected = ins.begun.projection.tokens + reserve;
-        let limit = cfg.limit_at * w as f64;
-        if projected as f64 > limit {
+    match decide(cfg, &ins.begun, ins.max_output) {
+        Verdict::Pass => {}
+        Verdict::SessionBudget(err) => return reject(state, p, ins, &err),
+        Verdict::Over {
+            projected,
+            window: w,
+            limit,
+            reserve,
+        } => {
             let over_budget = |action: OnOver| {
                 m.over_budget
                     .with_label_values(&[api.as_str(), &ins.series.model, action.as_str()])
@@ -958,7 +957,7 @@ async fn api_request(
                             src,
                             model.as_deref(),
                             cut_key.as_deref(),
-                            &ins,
+                            ins.begun.ruler,
                             reserve,
                             w,
                         )
@@ -1100,13 +1099,138 @@ async fn api_request(
             rparts.headers.remove(CONTENT_LENGTH);
         }
     }
-    watch.on_finish = Some(record(state, api, status.as_u16(), ins));
+    watch.on_finish = Some(recorder(state, api, status.as_u16(), ins));
     let body = ObservedBody::watched(
         rbody.map_err(Into::into).boxed_unsync(),
         watch,
         cfg.idle_timeout,
     );
     Response::from_parts(rparts, body)
+}
+
+/// identify: who is asking, from a request's headers (and query) and body —
+/// the credential's hash and the session key. A WebSocket turn is
+/// identified by its handshake's headers and its event's body.
+pub(crate) struct Identity {
+    pub credential: String,
+    pub key: Option<String>,
+    /// `x-context-reset: 1`.
+    pub reset: bool,
+}
+
+pub(crate) fn identify(
+    cfg: &Config,
+    headers: &HeaderMap,
+    query: Option<&str>,
+    p: &dyn Provider,
+    view: &RequestView<'_>,
+) -> Identity {
+    let asked = asking(headers, &cfg.session_headers);
+    let credential = credential_hash(asked.credential, query);
+    let key = session_key(cfg, asked.session, p, view, &credential);
+    Identity {
+        credential,
+        key,
+        reset: asked.reset,
+    }
+}
+
+/// What the estimate phase came to: done in place, or (a long uncached
+/// history) on the blocking pool, to be awaited; `None` there means it
+/// failed and is done in place after all.
+pub(crate) enum Estimating<'a> {
+    Done(Estimate),
+    Elsewhere(Pin<Box<dyn Future<Output = Option<Estimate>> + Send + 'a>>),
+}
+
+/// estimate: the request's tokens, on this worker when little of it is new
+/// to the cache, else on tokio's blocking pool (`decoded` is the body the
+/// view was parsed from).
+pub(crate) fn estimate<'a>(
+    state: &'a Local,
+    p: &'static dyn Provider,
+    view: &RequestView<'_>,
+    decoded: Option<Bytes>,
+    model: Option<&str>,
+) -> Estimating<'a> {
+    match state
+        .estimator
+        .estimate_bounded(p, view, model, INLINE_ESTIMATE_BYTES)
+    {
+        Some(e) => Estimating::Done(e),
+        None => Estimating::Elsewhere(Box::pin(estimate_blocking(
+            state,
+            p,
+            decoded,
+            model.map(str::to_string),
+        ))),
+    }
+}
+
+/// project: the session's projection of the request (and its place in the
+/// session's order), its utilisation exported.
+pub(crate) fn project(
+    state: &State,
+    series: &metrics::Series,
+    facts: RequestFacts,
+    order: Option<u64>,
+    fetched: Option<Shared>,
+) -> Begun {
+    let begun = match fetched {
+        Some(f) => state.sessions.begin_shared(facts, Some(f)),
+        None => state.sessions.begin_in_order(facts, order),
+    };
+    if let Some(u) = begun.projection.util() {
+        series.utilization().observe(u);
+    }
+    begun
+}
+
+/// What the policy makes of a projected request.
+pub(crate) enum Verdict {
+    Pass,
+    /// The session spent its `--session-budget`.
+    SessionBudget(ProxyError),
+    /// Over `--limit-at`: P (`projected`, output reserve included) against
+    /// the window; `limit` is the line in tokens. `--on-over` says what
+    /// follows.
+    Over {
+        projected: u64,
+        window: u64,
+        limit: f64,
+        reserve: u64,
+    },
+}
+
+/// decide: session budget first, then the context budget.
+pub(crate) fn decide(cfg: &Config, begun: &Begun, max_output: Option<u64>) -> Verdict {
+    if let Some(budget) = cfg.session_budget {
+        if begun.spent > budget {
+            return Verdict::SessionBudget(ProxyError::SessionBudget {
+                spent: begun.spent,
+                budget,
+            });
+        }
+    }
+    let Some(window) = begun.projection.window else {
+        return Verdict::Pass;
+    };
+    let reserve = match cfg.reserve_output {
+        true => max_output.unwrap_or(0),
+        false => 0,
+    };
+    let projected = begun.projection.tokens + reserve;
+    let limit = cfg.limit_at * window as f64;
+    if projected as f64 > limit {
+        Verdict::Over {
+            projected,
+            window,
+            limit,
+            reserve,
+        }
+    } else {
+        Verdict::Pass
+    }
 }
 
 /// Uncached bytes a request may have tokenized on a worker thread (0.2 to
@@ -1238,18 +1362,17 @@ fn counted_sent(api: Api, start: Instant, injected: bool) -> Instant {
 /// and the estimate of the body it produced (the caller re-projects it and
 /// decides); `None` when nothing can be trimmed.
 #[allow(clippy::too_many_arguments)]
-fn trim_request(
+pub(crate) fn trim_request(
     state: &State,
     api: Api,
     body: &[u8],
     model: Option<&str>,
     cut_key: Option<&str>,
-    ins: &Inspected,
+    ruler: Ruler,
     reserve: u64,
     window: u64,
 ) -> Option<(trim::Trimmed, u64)> {
     let cfg = &state.config;
-    let ruler = ins.begun.ruler;
     let measure = |b: &[u8]| -> u64 {
         state
             .estimator
@@ -1266,7 +1389,7 @@ fn trim_request(
 }
 
 /// Remember a session's cut for its next request, bounded by `--max-sessions`.
-fn remember_cut(state: &State, key: String, cut: Cut) {
+pub(crate) fn remember_cut(state: &State, key: String, cut: Cut) {
     if state.cuts.len() >= state.config.max_sessions.max(1) && !state.cuts.contains_key(&key) {
         state.cuts.clear();
     }
@@ -1440,61 +1563,94 @@ fn respond_buffered(
     resp
 }
 
-/// record: the callback the tap fires once when the response ends. It tells
-/// the session what the provider reported and exports the drift.
-fn record(state: &Local, api: Api, status: u16, ins: Inspected) -> Box<dyn FnOnce(Finish) + Send> {
+/// The callback the tap fires once when the response ends: the response's
+/// usage is recorded.
+fn recorder(
+    state: &Local,
+    api: Api,
+    status: u16,
+    ins: Inspected,
+) -> Box<dyn FnOnce(Finish) + Send> {
     let a = api.as_str();
     // The callback outlives this request's borrow of the state.
     let state = state.clone();
     Box::new(move |f: Finish| {
-        let s = ins.series;
-        s.count_request(status);
-        let m = metrics::get();
+        ins.series.count_request(status);
         let read = f.read.unwrap_or_default();
         if read.parse_errors > 0 {
-            m.usage_parse_errors.with_label_values(&[a]).inc();
+            metrics::get()
+                .usage_parse_errors
+                .with_label_values(&[a])
+                .inc();
         }
-        let usage = read.observed.usage;
-        let ok = (200..300).contains(&status);
-        if ok && f.completed && !usage.has_context() {
-            s.usage_missing().inc();
-        }
-        if let Some(real) = usage.total_context {
-            let est = ins.estimate.tokens;
-            let proj = ins.begun.projection.tokens;
-            s.prompt_real().inc_by(real);
-            s.prompt_estimated().inc_by(est);
-            if real > 0 {
-                let r = real as f64;
-                if est > 0 {
-                    s.estimate_drift().set(r / est as f64);
-                }
-                if proj > 0 {
-                    s.projection_drift().set(r / proj as f64);
-                }
-                s.estimate_error().observe((est as f64 - r) / r);
-                s.projection_error().observe((proj as f64 - r) / r);
-            }
-        }
-        if let Some(c) = usage.cached_input {
-            s.cached_prompt().inc_by(c);
-        }
-        if let Some(o) = usage.output {
-            s.output_tokens().inc_by(o);
-        }
-        let completed = f.completed || usage.has_context();
-        finish_session(
+        let completed = f.completed;
+        record(
             &state,
+            ins.series,
+            ins.estimate.tokens,
             ins.shared,
-            ins.begun.ticket,
-            Outcome {
-                status,
-                usage,
-                response_id: read.observed.response_id,
-                completed,
-            },
+            ins.begun,
+            status,
+            completed,
+            read.observed,
         );
     })
+}
+
+/// record: what the provider reported of one request (a response, or a
+/// WebSocket turn's terminal event) — the drift exported, the session told
+/// (anchored, or the loss made loud). `completed`: the response ran to its
+/// end (a 2xx that ends without usage is then counted missing).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn record(
+    state: &State,
+    s: &metrics::Series,
+    est: u64,
+    shared: Option<String>,
+    begun: Begun,
+    status: u16,
+    completed: bool,
+    observed: crate::provider::Observed,
+) {
+    let usage = observed.usage;
+    let ok = (200..300).contains(&status);
+    if ok && completed && !usage.has_context() {
+        s.usage_missing().inc();
+    }
+    if let Some(real) = usage.total_context {
+        let proj = begun.projection.tokens;
+        s.prompt_real().inc_by(real);
+        s.prompt_estimated().inc_by(est);
+        if real > 0 {
+            let r = real as f64;
+            if est > 0 {
+                s.estimate_drift().set(r / est as f64);
+            }
+            if proj > 0 {
+                s.projection_drift().set(r / proj as f64);
+            }
+            s.estimate_error().observe((est as f64 - r) / r);
+            s.projection_error().observe((proj as f64 - r) / r);
+        }
+    }
+    if let Some(c) = usage.cached_input {
+        s.cached_prompt().inc_by(c);
+    }
+    if let Some(o) = usage.output {
+        s.output_tokens().inc_by(o);
+    }
+    let completed = completed || usage.has_context();
+    finish_session(
+        state,
+        shared,
+        begun.ticket,
+        Outcome {
+            status,
+            usage,
+            response_id: observed.response_id,
+            completed,
+        },
+    );
 }
 
 /// The shared backend's id of a session: the credential hash and the key.
@@ -1525,7 +1681,12 @@ fn mark_local_state(h: &mut HeaderMap) {
 /// (compare-and-set on the request's sequence), this response's tokens and
 /// any change to the model's calibration are written back off the response
 /// path.
-fn finish_session(state: &State, shared: Option<String>, ticket: Ticket, outcome: Outcome) {
+pub(crate) fn finish_session(
+    state: &State,
+    shared: Option<String>,
+    ticket: Ticket,
+    outcome: Outcome,
+) {
     let (Some(redis), Some(sid)) = (state.redis.as_ref(), shared) else {
         state.sessions.finish(ticket, outcome);
         return;

@@ -201,8 +201,11 @@ impl Worker {
                     while let Some((stream, permit)) = incoming.recv().await {
                         serve(&state, &builder, &graceful, stream, permit);
                     }
+                    // hyper's watcher lets go of a connection once it
+                    // upgrades: open WebSockets are waited for too.
+                    let sockets = state.sockets().clone();
                     tokio::select! {
-                        _ = graceful.shutdown() => false,
+                        _ = async { graceful.shutdown().await; sockets.closed().await } => false,
                         _ = tokio::time::sleep(grace) => true,
                     }
                 });
@@ -250,7 +253,9 @@ fn serve(
         served.store(true, Ordering::Relaxed);
         proxy::handle(st.clone(), req)
     });
-    let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
+    let conn = builder
+        .serve_connection_with_upgrades(TokioIo::new(io), svc)
+        .into_owned();
     let conn = graceful.watch(conn);
     tokio::spawn(async move {
         if let Err(e) = conn.await {

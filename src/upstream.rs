@@ -171,17 +171,28 @@ pub fn client(config: &Config) -> Result<Client, String> {
     http.set_connect_timeout(Some(config.connect_timeout));
     http.set_keepalive(Some(Duration::from_secs(60)));
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
+        .with_tls_config(tls.clone())
         .https_or_http()
         .enable_http1()
         .enable_http2()
-        .wrap_connector(http);
+        .wrap_connector(http.clone());
     let connector = TimedConnector {
         inner: https,
         timeout: config.connect_timeout,
     };
+    // Upgrades (WebSocket) speak HTTP/1.1 whatever the upstream prefers.
+    let https_h1 = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    let connector_h1 = TimedConnector {
+        inner: https_h1,
+        timeout: config.connect_timeout,
+    };
     Ok(Client::new(
         connector,
+        connector_h1,
         config.workers,
         256,
         Duration::from_secs(90),

@@ -17,7 +17,7 @@ pub use anthropic::Anthropic;
 pub use gemini::Gemini;
 pub use ollama::Ollama;
 pub use openai_chat::OpenAiChat;
-pub use openai_responses::OpenAiResponses;
+pub use openai_responses::{websocket as responses_websocket, OpenAiResponses};
 
 /// The APIs tidemark understands. The string form is the `api` metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -141,3 +141,161 @@ impl Provider for OpenAiResponses {
         openai_error_body(shape, kind, message)
     }
 }
+
+/// The Responses API's WebSocket mode (`GET /v1/responses` upgraded): the
+/// client sends `response.create` events whose members are a POST body's
+/// (plus `stream_id` in the multi-stream beta, where one socket carries
+/// several responses and every server event echoes its stream's id); the
+/// server answers each with the streaming events of HTTP, one per text
+/// message, and reports errors as an `error` event with the HTTP `status`
+/// it stands for (what Codex CLI reads to recover).
+pub mod websocket {
+    use super::{Node, Observed, OpenAiResponses, Provider, RESPONSE_EVENTS};
+    use crate::inspect::RequestView;
+    use crate::provider::ErrorShape;
+
+    /// The client event that starts a response.
+    pub fn is_response_create(event: &RequestView<'_>) -> bool {
+        event.str("type").as_deref() == Some("response.create")
+    }
+
+    /// The stream a client event (or a server event) belongs to; `None` on
+    /// a socket that carries one response at a time.
+    pub fn stream_id(event: &RequestView<'_>) -> Option<String> {
+        event.str("stream_id").map(|s| s.into_owned())
+    }
+
+    /// A server event that ends a response.
+    #[derive(Debug, Default)]
+    pub struct Ended {
+        pub stream_id: Option<String>,
+        /// The status the outcome stands for: 200 for a response that ran
+        /// (completed, incomplete or failed, as HTTP streams them), an
+        /// `error` event's own `status` (400 without one).
+        pub status: u16,
+        /// Usage and response id, when the event carries them.
+        pub observed: Observed,
+    }
+
+    /// What a server event says beyond what the HTTP tap reads of it.
+    const ENVELOPE: &[&str] = &["stream_id", "status"];
+
+    /// The end of a response, if this server message is one
+    /// (`response.completed`, `response.incomplete`, `response.failed`, or
+    /// an `error` event). Checked cheaply first: the many delta events are
+    /// never parsed.
+    pub fn ended(message: &[u8]) -> Option<Ended> {
+        let p = &OpenAiResponses;
+        let terminal = memchr::memmem::find(message, b"response.completed").is_some()
+            || memchr::memmem::find(message, b"response.incomplete").is_some()
+            || memchr::memmem::find(message, b"response.failed").is_some()
+            || memchr::memmem::find(message, b"\"error\"").is_some();
+        if !terminal || !p.may_carry_usage(None, message) {
+            return None;
+        }
+        let node = crate::pick::pick(message, p.reads())?;
+        let envelope = crate::pick::pick(message, ENVELOPE)?;
+        let typ = node.get("type").and_then(Node::as_str)?;
+        let status = match typ {
+            "error" => envelope
+                .get("status")
+                .and_then(Node::as_u64)
+                .and_then(|s| u16::try_from(s).ok())
+                .unwrap_or(400),
+            t if t != "response.created"
+                && t != "response.in_progress"
+                && RESPONSE_EVENTS.contains(&t) =>
+            {
+                200
+            }
+            _ => return None,
+        };
+        let mut observed = Observed::default();
+        p.observe(None, &node, &mut observed);
+        Some(Ended {
+            stream_id: envelope
+                .get("stream_id")
+                .and_then(Node::as_str)
+                .map(str::to_string),
+            status,
+            observed,
+        })
+    }
+
+    /// The `error` event tidemark answers a `response.create` with instead
+    /// of forwarding it: the HTTP error body's `error` object (SPEC §5's
+    /// message), the status it stands for, and the stream's id if the
+    /// event had one.
+    pub fn error_event(
+        shape: ErrorShape,
+        status: u16,
+        kind: &str,
+        message: &str,
+        stream_id: Option<&str>,
+    ) -> Vec<u8> {
+        let body = OpenAiResponses.error_body(shape, kind, message);
+        let error = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|mut v| v.get_mut("error").map(serde_json::Value::take))
+            .unwrap_or_default();
+        let mut event = serde_json::json!({
+            "type": "error",
+            "status": status,
+            "error": error,
+        });
+        if let Some(id) = stream_id {
+            event["stream_id"] = serde_json::Value::from(id);
+        }
+        serde_json::to_vec(&event).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod websocket_tests {
+    use super::websocket::{ended, error_event};
+    use crate::provider::ErrorShape;
+
+    #[test]
+    fn the_events_that_end_a_response() {
+        let done = br#"{"type":"response.completed","stream_id":"s1","response":{"id":"resp_9","status":"completed","usage":{"input_tokens":1200,"output_tokens":30,"input_tokens_details":{"cached_tokens":1000}}}}"#;
+        let e = ended(done).unwrap();
+        assert_eq!((e.status, e.stream_id.as_deref()), (200, Some("s1")));
+        assert_eq!(e.observed.usage.total_context, Some(1200));
+        assert_eq!(e.observed.usage.cached_input, Some(1000));
+        assert_eq!(e.observed.response_id.as_deref(), Some("resp_9"));
+        let err = br#"{"type":"error","status":404,"error":{"code":"previous_response_not_found","message":"gone","param":"previous_response_id"}}"#;
+        let e = ended(err).unwrap();
+        assert_eq!((e.status, e.stream_id), (404, None));
+        assert_eq!(e.observed.usage.total_context, None);
+        for other in [
+            &br#"{"type":"response.output_text.delta","delta":"response.completed"}"#[..],
+            br#"{"type":"response.created","response":{"id":"r","usage":null}}"#,
+            b"not json response.completed",
+        ] {
+            assert!(ended(other).is_none(), "{}", String::from_utf8_lossy(other));
+        }
+    }
+
+    #[test]
+    fn the_error_event_carries_the_http_error_and_the_stream() {
+        let e = error_event(
+            ErrorShape::ContextLength {
+                projected: 190_000,
+                window: 200_000,
+            },
+            400,
+            "context-budget",
+            "",
+            Some("main"),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&e).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["status"], 400);
+        assert_eq!(v["stream_id"], "main");
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(
+            v["error"]["message"],
+            "This model's maximum context length is 200000 tokens. However, your messages resulted in 190000 tokens. Please reduce the length of the messages."
+        );
+    }
+}

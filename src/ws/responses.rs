@@ -1,0 +1,723 @@
+//! The Responses API's WebSocket mode (`/v1/responses` upgraded): each
+//! client `response.create` event is a turn, identified, estimated and
+//! projected like a POST body (the HTTP spine's phases, `proxy.rs`), and
+//! each server event that ends a response records it.
+//!
+//! No frame is altered unless a policy acts. With `--on-over pass` and no
+//! session budget, client bytes are forwarded as they arrive and a copy is
+//! read. Otherwise each client data message is held until it is whole and
+//! decided: forwarded as it came, answered with the API's own `error`
+//! event toward the client (at a boundary between the server's messages,
+//! uncompressed) instead of being forwarded, or replaced by its trimmed
+//! form (uncompressed). Under permessage-deflate with the client's context
+//! takeover, a dropped or rewritten compressed message leaves the server's
+//! inflater without that message's window, so from then on the client's
+//! compressed messages are forwarded decompressed (RSV1 clear).
+//!
+//! The turn's two ends, [`begin_turn`] and [`end_turn`], are the one seam
+//! to today's session API.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::header::SEC_WEBSOCKET_EXTENSIONS;
+use http::HeaderMap;
+
+use super::deflate::{self, Agreed, Inflater};
+use super::frame::{encode_frame, parse_header, Event, Kind, MessageReader, Opcode};
+use super::tunnel::{Out, Watch};
+use crate::config::OnOver;
+use crate::inspect::RequestView;
+use crate::metrics;
+use crate::provider::responses_websocket::{self as wire, Ended};
+use crate::provider::{Api, ErrorShape, Observed};
+use crate::proxy::{self, Estimating, Local, ProxyError, Verdict};
+use crate::session::{Begun, RequestFacts};
+
+/// Turns being begun at once on a socket before its client is read no
+/// further (a client sending events faster than they are estimated).
+const MAX_BEGINS: usize = 64;
+/// Turns a socket keeps open waiting for their ends; past it the oldest
+/// is given up (failed), so a server that never ends a response, or a
+/// client naming endless streams, cannot grow the socket's state.
+const MAX_OPEN: usize = 1024;
+
+/// What the handshake tells of every turn on the socket: who is asking.
+pub struct Handshake {
+    headers: HeaderMap,
+    query: Option<String>,
+    path: String,
+}
+
+impl Handshake {
+    pub fn new(parts: &http::request::Parts) -> Self {
+        Handshake {
+            headers: parts.headers.clone(),
+            query: parts.uri.query().map(str::to_string),
+            path: parts.uri.path().to_string(),
+        }
+    }
+
+    /// The watch of a socket whose `101` carried `response`'s headers;
+    /// `None` when it agreed an extension tidemark cannot read (its frames
+    /// then pass unread).
+    pub fn watch(self, state: &Local, response: &HeaderMap) -> Option<Responses> {
+        let agreed = deflate::agreed(
+            response
+                .get_all(SEC_WEBSOCKET_EXTENSIONS)
+                .iter()
+                .map(|v| v.as_bytes()),
+        );
+        let (up, down, client_takeover) = match agreed {
+            Agreed::Nothing => (None, None, false),
+            Agreed::Deflate(p) => (
+                Some(Inflater::client_to_server(&p)),
+                Some(Inflater::server_to_client(&p)),
+                !p.client_no_context_takeover,
+            ),
+            Agreed::Unknown => return None,
+        };
+        let cfg = &state.config;
+        let cap = cfg.max_body_bytes;
+        Some(Responses {
+            state: state.clone(),
+            hs: Arc::new(self),
+            policy: cfg.on_over != OnOver::Pass || cfg.session_budget.is_some(),
+            client: Some(MessageReader::new(cap, up)),
+            server: Some(MessageReader::new(cap, down)),
+            held: Vec::new(),
+            deciding: None,
+            backlog: VecDeque::new(),
+            inject: VecDeque::new(),
+            desync: false,
+            client_takeover,
+            jobs: VecDeque::new(),
+            open: HashMap::new(),
+        })
+    }
+}
+
+/// One turn between its `response.create` and the event that ends it.
+pub struct Turn {
+    series: &'static metrics::Series,
+    estimate: u64,
+    begun: Begun,
+    stream: Option<String>,
+    max_output: Option<u64>,
+    /// The trim's cut key (credential and session key) with `--on-over trim`.
+    cut_key: Option<String>,
+}
+
+/// begin: a client event, if it is a `response.create`, as a turn —
+/// identified by the handshake's headers and the event's own members,
+/// estimated, projected; logged (key, projection, src: never content).
+pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Option<Turn> {
+    let p = Api::OpenAiResponses.provider();
+    let view = RequestView::parse(&event)?;
+    if !wire::is_response_create(&view) {
+        return None;
+    }
+    let cfg = &state.config;
+    let model = p.model(&hs.path, &view);
+    let id = proxy::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
+    let estimate = match proxy::estimate(&state, p, &view, Some(event.clone()), model.as_deref()) {
+        Estimating::Done(e) => e,
+        Estimating::Elsewhere(f) => match f.await {
+            Some(e) => e,
+            None => state.estimator.estimate(p, &view, model.as_deref()),
+        },
+    };
+    let window = model
+        .as_deref()
+        .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
+    let series = metrics::get().series(Api::OpenAiResponses.as_str(), model.as_deref());
+    let cut_key = match cfg.on_over {
+        OnOver::Trim => id
+            .key
+            .as_ref()
+            .map(|k| format!("{}\u{0}{k}", id.credential)),
+        _ => None,
+    };
+    let key = id.key.clone();
+    let facts = RequestFacts {
+        key: id.key,
+        credential: id.credential,
+        api: Api::OpenAiResponses,
+        model,
+        estimate: estimate.tokens,
+        reset: id.reset,
+        window,
+        counted: None,
+        continues: p.continues(&view),
+    };
+    let begun = proxy::project(&state, series, facts, None, None);
+    let stream = wire::stream_id(&view);
+    let proj = &begun.projection;
+    tracing::info!(
+        session = key.as_deref().unwrap_or("none"),
+        projection = proj.tokens,
+        src = proj.src.as_str(),
+        window = proj.window,
+        util = proj.util(),
+        stream = stream.as_deref(),
+        "websocket turn"
+    );
+    Some(Turn {
+        series,
+        estimate: estimate.tokens,
+        begun,
+        stream,
+        max_output: p.max_output_tokens(&view),
+        cut_key,
+    })
+}
+
+/// end: a turn's outcome reaches the session and the metrics, as a
+/// response's does at the end of its body.
+pub fn end_turn(state: &Local, turn: Turn, status: u16, completed: bool, observed: Observed) {
+    proxy::record(
+        state,
+        turn.series,
+        turn.estimate,
+        None,
+        turn.begun,
+        status,
+        completed,
+        observed,
+    );
+}
+
+/// What the policy made of a held `response.create`.
+enum Decision {
+    /// Not a turn (another event, or not JSON): forwarded as it came.
+    NotATurn,
+    Forward(Turn),
+    /// Answered with this `error` event; the turn failed with `status`.
+    Reject {
+        event: Vec<u8>,
+        status: u16,
+        turn: Turn,
+    },
+    /// Forwarded as this (trimmed) event instead.
+    Replace {
+        event: Vec<u8>,
+        turn: Turn,
+    },
+}
+
+/// decide: the HTTP policy, applied to one event.
+async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision {
+    let Some(mut turn) = begin_turn(state.clone(), hs, event.clone()).await else {
+        return Decision::NotATurn;
+    };
+    let cfg = &state.config;
+    let m = metrics::get();
+    let api = Api::OpenAiResponses.as_str();
+    let reject = |turn: Turn, err: ProxyError| {
+        let shape = match err {
+            ProxyError::ContextBudget { projected, window } => {
+                ErrorShape::ContextLength { projected, window }
+            }
+            ProxyError::SessionBudget { spent, budget } => {
+                ErrorShape::SessionBudget { spent, budget }
+            }
+            _ => ErrorShape::Generic { status: 400 },
+        };
+        let status = err.status().as_u16();
+        let message = err.message(cfg.max_body_bytes);
+        Decision::Reject {
+            event: wire::error_event(shape, status, err.kind(), &message, turn.stream.as_deref()),
+            status,
+            turn,
+        }
+    };
+    let (projected, window, limit, reserve) = match proxy::decide(cfg, &turn.begun, turn.max_output)
+    {
+        Verdict::Pass => return Decision::Forward(turn),
+        Verdict::SessionBudget(err) => return reject(turn, err),
+        Verdict::Over {
+            projected,
+            window,
+            limit,
+            reserve,
+        } => (projected, window, limit, reserve),
+    };
+    let over_budget = |action: OnOver| {
+        m.over_budget
+            .with_label_values(&[api, &turn.series.model, action.as_str()])
+            .inc()
+    };
+    let over = ProxyError::ContextBudget { projected, window };
+    match cfg.on_over {
+        OnOver::Pass => {
+            over_budget(OnOver::Pass);
+            Decision::Forward(turn)
+        }
+        OnOver::Reject => {
+            over_budget(OnOver::Reject);
+            reject(turn, over)
+        }
+        OnOver::Trim => {
+            let model = turn.begun.ticket.model().map(str::to_string);
+            let trimmed = proxy::trim_request(
+                &state,
+                Api::OpenAiResponses,
+                &event,
+                model.as_deref(),
+                turn.cut_key.as_deref(),
+                turn.begun.ruler,
+                reserve,
+                window,
+            )
+            .filter(|(_, est)| (turn.begun.ruler.measure(*est) + reserve) as f64 <= limit);
+            let Some((t, est)) = trimmed else {
+                over_budget(OnOver::Reject);
+                return reject(turn, over);
+            };
+            over_budget(OnOver::Trim);
+            state.sessions.reproject(&mut turn.begun, est);
+            turn.estimate = est;
+            let after = turn.begun.projection.tokens + reserve;
+            if let Some(k) = turn.cut_key.clone() {
+                proxy::remember_cut(&state, k, t.cut.clone());
+            }
+            m.trimmed_tokens
+                .with_label_values(&[api, &turn.series.model])
+                .inc_by(projected.saturating_sub(after));
+            tracing::info!(
+                before = projected,
+                after,
+                turns = t.turns,
+                tool_results = t.tool_results,
+                "websocket turn trimmed"
+            );
+            Decision::Replace {
+                event: t.body,
+                turn,
+            }
+        }
+    }
+}
+
+/// A held client message waiting for its decision.
+struct Deciding {
+    decision: Pin<Box<dyn Future<Output = Decision> + Send>>,
+    raw: Vec<Bytes>,
+    compressed: bool,
+    payload: Bytes,
+}
+
+/// Work on turns, done in the order its causes arrived on the socket.
+enum Job {
+    /// A turn being begun (estimated on a copy, the event already forwarded).
+    Begin(Pin<Box<dyn Future<Output = Option<Turn>> + Send>>),
+    /// A server event that ends a response, waiting for the begins before it.
+    End(Ended),
+}
+
+/// The watch of one Responses WebSocket.
+pub struct Responses {
+    state: Local,
+    hs: Arc<Handshake>,
+    /// A policy may stop or change an event: client messages are held
+    /// whole until decided.
+    policy: bool,
+    /// The client's messages; `None` once they stopped parsing (the bytes
+    /// then pass unread).
+    client: Option<MessageReader>,
+    /// The server's messages.
+    server: Option<MessageReader>,
+    /// The wire bytes of the client message being gathered (policy).
+    held: Vec<Bytes>,
+    deciding: Option<Deciding>,
+    /// Client bytes read while a decision was pending: after it, in order.
+    backlog: VecDeque<Bytes>,
+    /// Frames tidemark sends the client, waiting for a boundary between the
+    /// server's messages.
+    inject: VecDeque<Bytes>,
+    /// A compressed client message was dropped or rewritten under the
+    /// client's context takeover: compressed ones now go decompressed.
+    desync: bool,
+    client_takeover: bool,
+    jobs: VecDeque<Job>,
+    /// Turns begun and not yet ended, per stream, oldest first.
+    open: HashMap<Option<String>, VecDeque<Turn>>,
+}
+
+/// The masking key of the first frame in `raw` (a client's frames all
+/// have one).
+fn first_mask(raw: &[Bytes]) -> Option<[u8; 4]> {
+    let mut head = Vec::with_capacity(14);
+    for b in raw {
+        head.extend_from_slice(&b[..b.len().min(14 - head.len())]);
+        if head.len() == 14 {
+            break;
+        }
+    }
+    parse_header(&head).ok().flatten().and_then(|h| h.mask)
+}
+
+/// One unfragmented, uncompressed frame.
+fn frame(opcode: Opcode, mask: Option<[u8; 4]>, payload: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(payload.len() + 14);
+    encode_frame(&mut b, true, false, opcode, mask, payload);
+    b.freeze()
+}
+
+impl Responses {
+    /// A whole client data message (held in policy mode): decided, or
+    /// forwarded.
+    fn message(
+        &mut self,
+        kind: Kind,
+        compressed: bool,
+        payload: Option<Bytes>,
+        to_server: &mut Out,
+    ) {
+        let raw = std::mem::take(&mut self.held);
+        match payload {
+            Some(p)
+                if kind == Kind::Text && memchr::memmem::find(&p, b"response.create").is_some() =>
+            {
+                self.deciding = Some(Deciding {
+                    decision: Box::pin(decide_turn(
+                        self.state.clone(),
+                        Arc::clone(&self.hs),
+                        p.clone(),
+                    )),
+                    raw,
+                    compressed,
+                    payload: p,
+                });
+            }
+            p => self.forward(raw, kind, compressed, p.as_ref(), to_server),
+        }
+    }
+
+    /// A client message on to the server: as it came, or, once the
+    /// server's inflater lost a window, decompressed.
+    fn forward(
+        &self,
+        raw: Vec<Bytes>,
+        kind: Kind,
+        compressed: bool,
+        payload: Option<&Bytes>,
+        to_server: &mut Out,
+    ) {
+        if let (true, true, Some(p)) = (self.desync, compressed, payload) {
+            let op = match kind {
+                Kind::Text => Opcode::Text,
+                Kind::Binary => Opcode::Binary,
+            };
+            to_server.push(frame(op, first_mask(&raw), p));
+            return;
+        }
+        for b in raw {
+            to_server.push(b);
+        }
+    }
+
+    /// Send the client a frame of tidemark's own, between two of the
+    /// server's messages.
+    fn inject(&mut self, event: &[u8], to_client: &mut Out) {
+        let f = frame(Opcode::Text, None, event);
+        let now = self.inject.is_empty()
+            && self
+                .server
+                .as_ref()
+                .map_or(true, MessageReader::at_message_boundary);
+        match now {
+            true => to_client.push(f),
+            false => self.inject.push_back(f),
+        }
+    }
+
+    /// A server event ended a response: its turn is recorded, once the
+    /// turns begun before it have been.
+    fn ended(&mut self, e: Ended) {
+        if self.jobs.is_empty() {
+            self.close_turn(e);
+        } else {
+            self.jobs.push_back(Job::End(e));
+        }
+    }
+
+    fn close_turn(&mut self, e: Ended) {
+        let turn = self
+            .open
+            .get_mut(&e.stream_id)
+            .and_then(VecDeque::pop_front);
+        if let Some(turn) = turn {
+            end_turn(&self.state, turn, e.status, true, e.observed);
+        }
+    }
+
+    fn opened(&mut self, turn: Turn) {
+        if self.open.values().map(VecDeque::len).sum::<usize>() >= MAX_OPEN {
+            let oldest = self
+                .open
+                .iter_mut()
+                .filter_map(|(k, q)| Some((q.front()?.begun.ticket.seq(), k.clone())))
+                .min();
+            let given_up = oldest.and_then(|(_, k)| {
+                let q = self.open.get_mut(&k)?;
+                let t = q.pop_front();
+                if q.is_empty() {
+                    self.open.remove(&k);
+                }
+                t
+            });
+            if let Some(t) = given_up {
+                end_turn(&self.state, t, 502, false, Observed::default());
+            }
+        }
+        self.open
+            .entry(turn.stream.clone())
+            .or_default()
+            .push_back(turn);
+    }
+
+    fn client_bytes(&mut self, data: Bytes, to_server: &mut Out, to_client: &mut Out) {
+        if self.deciding.is_some() {
+            self.backlog.push_back(data);
+            return;
+        }
+        let Some(reader) = self.client.as_mut() else {
+            to_server.push(data);
+            return;
+        };
+        if !self.policy {
+            // Forward first; the turn is worked out on a copy.
+            to_server.push(data.clone());
+            let mut at = 0;
+            while at < data.len() {
+                match reader.feed(&data[at..]) {
+                    Err(_) => {
+                        self.client = None;
+                        return;
+                    }
+                    Ok((n, ev)) => {
+                        at += n;
+                        if let Some(Event::Message {
+                            kind: Kind::Text,
+                            payload,
+                            ..
+                        }) = ev
+                        {
+                            if memchr::memmem::find(&payload, b"response.create").is_some() {
+                                let begin =
+                                    begin_turn(self.state.clone(), Arc::clone(&self.hs), payload);
+                                self.jobs.push_back(Job::Begin(Box::pin(begin)));
+                            }
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        let mut at = 0;
+        while at < data.len() {
+            let Some(reader) = self.client.as_mut() else {
+                return;
+            };
+            let (n, ev) = match reader.feed(&data[at..]) {
+                Ok(r) => r,
+                Err(_) => {
+                    // Not a frame sequence tidemark reads: what is held and
+                    // the rest go on untouched.
+                    self.client = None;
+                    for b in self.held.drain(..) {
+                        to_server.push(b);
+                    }
+                    to_server.push(data.slice(at..));
+                    return;
+                }
+            };
+            let in_message = !reader.at_message_boundary();
+            let piece = data.slice(at..at + n);
+            at += n;
+            match ev {
+                Some(Event::Message {
+                    kind,
+                    compressed,
+                    payload,
+                }) => {
+                    self.held.push(piece);
+                    self.message(kind, compressed, Some(payload), to_server);
+                }
+                Some(Event::TooLarge {
+                    kind, compressed, ..
+                }) => {
+                    self.held.push(piece);
+                    self.message(kind, compressed, None, to_server);
+                }
+                // A control frame between messages: what is held is its
+                // own first bytes.
+                Some(Event::Control { .. }) if !in_message => {
+                    for b in self.held.drain(..) {
+                        to_server.push(b);
+                    }
+                    to_server.push(piece);
+                }
+                _ => self.held.push(piece),
+            }
+            if self.deciding.is_some() {
+                if at < data.len() {
+                    self.backlog.push_back(data.slice(at..));
+                }
+                return;
+            }
+        }
+        let _ = to_client;
+    }
+}
+
+impl Watch for Responses {
+    fn client_sent(&mut self, data: Bytes, to_server: &mut Out, to_client: &mut Out) {
+        self.client_bytes(data, to_server, to_client);
+    }
+
+    fn server_sent(&mut self, data: Bytes, to_client: &mut Out) {
+        let Some(reader) = self.server.as_mut() else {
+            to_client.push(data);
+            return;
+        };
+        // Split only where a frame of tidemark's must go in between.
+        let whole = self.inject.is_empty();
+        if whole {
+            to_client.push(data.clone());
+        }
+        let mut at = 0;
+        let mut ends = Vec::new();
+        while at < data.len() {
+            match reader.feed(&data[at..]) {
+                Err(_) => {
+                    self.server = None;
+                    if !whole {
+                        to_client.push(data.slice(at..));
+                    }
+                    break;
+                }
+                Ok((n, ev)) => {
+                    if !whole {
+                        to_client.push(data.slice(at..at + n));
+                    }
+                    at += n;
+                    if let Some(Event::Message {
+                        kind: Kind::Text,
+                        payload,
+                        ..
+                    }) = ev
+                    {
+                        if let Some(e) = wire::ended(&payload) {
+                            ends.push(e);
+                        }
+                    }
+                    if !self.inject.is_empty() && reader.at_message_boundary() {
+                        for f in self.inject.drain(..) {
+                            to_client.push(f);
+                        }
+                    }
+                }
+            }
+        }
+        for e in ends {
+            self.ended(e);
+        }
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>, to_server: &mut Out, to_client: &mut Out) -> bool {
+        let mut progressed = false;
+        if let Some(d) = self.deciding.as_mut() {
+            if let Poll::Ready(decision) = d.decision.as_mut().poll(cx) {
+                progressed = true;
+                let d = self.deciding.take().expect("polled above");
+                // Dropping or rewriting a compressed message under the
+                // client's context takeover costs the server that window.
+                let lose_window = d.compressed && self.client_takeover;
+                match decision {
+                    Decision::NotATurn => {
+                        self.forward(d.raw, Kind::Text, d.compressed, Some(&d.payload), to_server)
+                    }
+                    Decision::Forward(turn) => {
+                        self.forward(d.raw, Kind::Text, d.compressed, Some(&d.payload), to_server);
+                        self.opened(turn);
+                    }
+                    Decision::Reject {
+                        event,
+                        status,
+                        turn,
+                    } => {
+                        self.desync |= lose_window;
+                        self.inject(&event, to_client);
+                        end_turn(&self.state, turn, status, true, Observed::default());
+                    }
+                    Decision::Replace { event, turn } => {
+                        self.desync |= lose_window;
+                        to_server.push(frame(Opcode::Text, first_mask(&d.raw), &event));
+                        self.opened(turn);
+                    }
+                }
+                while self.deciding.is_none() {
+                    let Some(b) = self.backlog.pop_front() else {
+                        break;
+                    };
+                    self.client_bytes(b, to_server, to_client);
+                }
+            }
+        }
+        while let Some(job) = self.jobs.front_mut() {
+            match job {
+                Job::Begin(f) => match f.as_mut().poll(cx) {
+                    Poll::Ready(turn) => {
+                        self.jobs.pop_front();
+                        progressed = true;
+                        if let Some(turn) = turn {
+                            count_over_budget(&self.state, &turn);
+                            self.opened(turn);
+                        }
+                    }
+                    Poll::Pending => break,
+                },
+                Job::End(_) => {
+                    if let Some(Job::End(e)) = self.jobs.pop_front() {
+                        self.close_turn(e);
+                    }
+                }
+            }
+        }
+        progressed
+    }
+
+    fn hold_client(&self) -> bool {
+        self.deciding.is_some() || self.jobs.len() >= MAX_BEGINS
+    }
+
+    fn end(&mut self) {
+        // Turns the socket ended before their response did: failed, as an
+        // HTTP request the upstream reset (no anchor, no loss).
+        let open = std::mem::take(&mut self.open);
+        for turn in open.into_values().flatten() {
+            end_turn(&self.state, turn, 502, false, Observed::default());
+        }
+    }
+}
+
+/// `--on-over pass` forwards every event, but one over the line is still
+/// counted, as an HTTP request is.
+fn count_over_budget(state: &Local, turn: &Turn) {
+    if let Verdict::Over { .. } = proxy::decide(&state.config, &turn.begun, turn.max_output) {
+        metrics::get()
+            .over_budget
+            .with_label_values(&[
+                Api::OpenAiResponses.as_str(),
+                &turn.series.model,
+                OnOver::Pass.as_str(),
+            ])
+            .inc();
+    }
+}
