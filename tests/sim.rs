@@ -303,7 +303,7 @@ async fn anthropic_stream_matches_the_fixture_shape() {
 }
 
 #[tokio::test]
-async fn anthropic_cache_split_and_non_stream() {
+async fn anthropic_cache_writes_at_the_breakpoint_then_reads_it() {
     let s = start(SimConfig::default()).await;
     let mut req = anthropic_req(false);
     let long = "Follow every rule of the repository carefully. ".repeat(200);
@@ -313,13 +313,35 @@ async fn anthropic_cache_split_and_non_stream() {
     let fx: Value =
         serde_json::from_str(&fixture("anthropic-messages/nonstream_basic.json")).unwrap();
     assert_eq!(keys(&v), keys(&fx));
+    let sum = |u: &Value| {
+        u["input_tokens"].as_u64().unwrap()
+            + u["cache_creation_input_tokens"].as_u64().unwrap()
+            + u["cache_read_input_tokens"].as_u64().unwrap()
+    };
     let u = &v["usage"];
-    assert!(u["cache_read_input_tokens"].as_u64().unwrap() > 1024);
+    let written = u["cache_creation_input_tokens"].as_u64().unwrap();
+    assert!(written > 1024, "{u}");
+    assert_eq!(u["cache_read_input_tokens"], 0, "nothing cached yet");
+    assert_eq!(sum(u), r.sim_count(), "the real prompt is the sum");
+
+    // The next turn reads what the first wrote.
+    req["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role":"assistant","content":"Done."}));
+    req["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role":"user","content":"And now?"}));
+    let r = post(s.addr, "/v1/messages", &req, false).await;
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    let u = &v["usage"];
+    assert_eq!(u["cache_read_input_tokens"], json!(written), "{u}");
     assert_eq!(
-        u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
-        r.sim_count(),
-        "the real prompt is the sum, as tidemark must read it"
+        u["cache_creation_input_tokens"], 0,
+        "no breakpoint after the system"
     );
+    assert_eq!(sum(u), r.sim_count());
 }
 
 #[tokio::test]
