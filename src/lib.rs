@@ -79,6 +79,7 @@ pub mod trim;
 pub mod upstream;
 pub mod usage;
 pub mod window;
+pub mod ws;
 
 pub use config::Config;
 pub use server::run;
