@@ -1206,3 +1206,246 @@ async fn cache_reads_reported_equal_the_accounting() {
     }
     px.stop().await;
 }
+
+// ---------------------------------------------------------------------------
+// The Responses WebSocket mode.
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
+
+async fn ws_connect(addr: SocketAddr) -> Ws {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (ws, resp) = within(
+        10,
+        tokio_tungstenite::client_async(format!("ws://{addr}/v1/responses"), tcp),
+    )
+    .await
+    .expect("handshake");
+    assert_eq!(resp.status(), 101);
+    ws
+}
+
+/// Send one client event and read the server's events up to a terminal one.
+async fn ws_turn(ws: &mut Ws, event: &Value) -> Vec<Value> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    ws.send(Message::text(event.to_string())).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let m = within(10, ws.next())
+            .await
+            .expect("an event")
+            .expect("a frame");
+        let Message::Text(t) = m else {
+            panic!("text frames only: {m:?}")
+        };
+        let v: Value = serde_json::from_str(t.as_str()).expect("JSON event");
+        let t = v["type"].as_str().unwrap().to_string();
+        out.push(v);
+        if matches!(
+            t.as_str(),
+            "response.completed" | "response.failed" | "response.incomplete" | "error"
+        ) {
+            return out;
+        }
+    }
+}
+
+/// The `response.create` event for a POST body.
+fn create(mut body: Value) -> Value {
+    let o = body.as_object_mut().unwrap();
+    o.remove("stream");
+    o.insert("type".into(), json!("response.create"));
+    body
+}
+
+/// An event with the values that differ from response to response (ids,
+/// times, padding) blanked.
+fn blank(v: &Value) -> Value {
+    match v {
+        Value::Object(o) => Value::Object(
+            o.iter()
+                .map(|(k, x)| {
+                    let x = if matches!(k.as_str(), "id" | "item_id" | "created_at" | "obfuscation")
+                    {
+                        json!("")
+                    } else {
+                        blank(x)
+                    };
+                    (k.clone(), x)
+                })
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(blank).collect()),
+        other => other.clone(),
+    }
+}
+
+#[tokio::test]
+async fn websocket_mode_sends_the_sse_events_one_frame_each() {
+    let s = start(SimConfig::default()).await;
+    let req = responses_req(true);
+    let sse: Vec<Value> = sse_events(&post(s.addr, "/v1/responses", &req, false).await.text())
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
+    let mut ws = ws_connect(s.addr).await;
+    let evs = ws_turn(&mut ws, &create(req.clone())).await;
+    assert_eq!(
+        evs.iter().map(blank).collect::<Vec<_>>(),
+        sse.iter().map(blank).collect::<Vec<_>>()
+    );
+    let done = &evs.last().unwrap()["response"];
+    assert_eq!(
+        done["usage"]["input_tokens"],
+        json!(count_prompt(SimApi::OpenAiResponses, &req).total)
+    );
+
+    // The connection keeps its responses, stored or not.
+    let id = done["id"].clone();
+    let next = json!({"type":"message","role":"user","content":[{"type":"input_text","text":"And then?"}]});
+    let cont = json!({"type":"response.create","model":"gpt-5","instructions":"You are terse.",
+        "store":false,"previous_response_id":id,"input":[next]});
+    let evs2 = ws_turn(&mut ws, &cont).await;
+    let mut items = req["input"].as_array().unwrap().clone();
+    items.extend(done["output"].as_array().unwrap().iter().cloned());
+    items.push(next.clone());
+    let whole = json!({"instructions":"You are terse.","input":items});
+    let done2 = &evs2.last().unwrap()["response"];
+    assert_eq!(
+        done2["usage"]["input_tokens"],
+        json!(count_prompt(SimApi::OpenAiResponses, &whole).total)
+    );
+    let unstored = done2["id"].clone();
+    let third = json!({"type":"response.create","model":"gpt-5","previous_response_id":unstored,"input":[next]});
+    assert_eq!(
+        ws_turn(&mut ws, &third).await.last().unwrap()["type"],
+        "response.completed"
+    );
+
+    // Codex's prewarm: nothing generated, its id continued by the real turn.
+    let mut ws = ws_connect(s.addr).await;
+    let warm =
+        json!({"type":"response.create","model":"gpt-5","store":false,"input":[],"generate":false});
+    let evs = ws_turn(&mut ws, &warm).await;
+    let done = &evs.last().unwrap()["response"];
+    assert_eq!(done["output"], json!([]));
+    assert_eq!(done["usage"]["output_tokens"], 0);
+    let mut turn = create(responses_req(false));
+    turn["previous_response_id"] = done["id"].clone();
+    turn["store"] = json!(false);
+    let evs = ws_turn(&mut ws, &turn).await;
+    assert_eq!(evs.last().unwrap()["type"], "response.completed");
+
+    // Another connection knows none of them: the API's error event.
+    let mut other = ws_connect(s.addr).await;
+    let evs = ws_turn(&mut other, &third).await;
+    assert_eq!(evs.len(), 1);
+    assert_eq!(evs[0]["type"], "error");
+    assert_eq!(evs[0]["status"], 400);
+    assert_eq!(evs[0]["error"]["code"], "previous_response_not_found");
+}
+
+#[tokio::test]
+async fn websocket_streams_run_at_once_and_say_which_they_are() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let s = start(SimConfig {
+        chunk_delay: Duration::from_millis(2),
+        ..SimConfig::default()
+    })
+    .await;
+    let mut ws = ws_connect(s.addr).await;
+    for sid in ["main", "side"] {
+        let mut e = create(responses_req(false));
+        e["stream_id"] = json!(sid);
+        ws.send(Message::text(e.to_string())).await.unwrap();
+    }
+    let mut done = BTreeSet::new();
+    let mut order = Vec::new();
+    let mut first_done = None;
+    while done.len() < 2 {
+        let Message::Text(t) = within(10, ws.next()).await.unwrap().unwrap() else {
+            panic!("text")
+        };
+        let v: Value = serde_json::from_str(t.as_str()).unwrap();
+        let sid = v["stream_id"]
+            .as_str()
+            .expect("every event names its stream")
+            .to_string();
+        if v["type"] == "response.completed" {
+            done.insert(sid.clone());
+            first_done.get_or_insert(order.len());
+        }
+        order.push(sid);
+    }
+    // Both streams had begun before either finished.
+    let first = |s: &str| order.iter().position(|x| x == s).unwrap();
+    assert!(
+        first("main").max(first("side")) < first_done.unwrap(),
+        "interleaved: {order:?}"
+    );
+}
+
+#[tokio::test]
+async fn websocket_compresses_when_the_client_offers_deflate() {
+    use tidemark::ws::deflate::{Inflater, Params};
+    use tidemark::ws::frame::{encode_frame, Event, MessageReader, Opcode};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start(SimConfig::default()).await;
+    let mut tcp = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+    let hs = format!("GET /v1/responses HTTP/1.1\r\nHost: {}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n\r\n", s.addr);
+    tcp.write_all(hs.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 1 << 16];
+    let mut got = Vec::new();
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = within(10, tcp.read(&mut buf)).await.unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let end = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let head = String::from_utf8_lossy(&got[..end]).to_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="));
+    assert!(head.contains("sec-websocket-extensions: permessage-deflate"));
+    let mut frame = bytes::BytesMut::new();
+    let ev = create(responses_req(false)).to_string();
+    encode_frame(
+        &mut frame,
+        true,
+        false,
+        Opcode::Text,
+        Some([7, 1, 2, 3]),
+        ev.as_bytes(),
+    );
+    tcp.write_all(&frame).await.unwrap();
+    let mut reader = MessageReader::new(
+        1 << 24,
+        Some(Inflater::server_to_client(&Params::default())),
+    );
+    let mut pending = got[end..].to_vec();
+    let mut compressed = 0;
+    loop {
+        let (used, e) = reader.feed(&pending).unwrap();
+        pending.drain(..used);
+        match e {
+            Some(Event::Message {
+                compressed: c,
+                payload,
+                ..
+            }) => {
+                compressed += usize::from(c);
+                let v: Value = serde_json::from_slice(&payload).unwrap();
+                if v["type"] == "response.completed" {
+                    break;
+                }
+            }
+            Some(_) => {}
+            None => {
+                let n = within(10, tcp.read(&mut buf)).await.unwrap();
+                assert!(n > 0, "connection open until the response completes");
+                pending.extend_from_slice(&buf[..n]);
+            }
+        }
+    }
+    assert!(compressed > 3, "the server's frames are deflated");
+}

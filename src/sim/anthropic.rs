@@ -91,7 +91,19 @@ pub(super) fn turn(body: &Value) -> Turn {
             .flatten(),
         |t| (t.get("name"), t.get("input_schema")),
     );
-    Turn { user_text, tools }
+    // Structured outputs: `output_format` (beta structured-outputs-2025-11-13)
+    // or `output_config.format`.
+    let schema = body
+        .get("output_format")
+        .or_else(|| body.pointer("/output_config/format"))
+        .filter(|f| f.get("type").and_then(Value::as_str) == Some("json_schema"))
+        .and_then(|f| f.get("schema"))
+        .cloned();
+    Turn {
+        user_text,
+        tools,
+        schema,
+    }
 }
 
 fn request_id(n: u64) -> String {

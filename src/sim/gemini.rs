@@ -138,7 +138,16 @@ pub(super) fn turn(body: &Value) -> Turn {
                 .or_else(|| field(d, "parametersJsonSchema", "parameters_json_schema")),
         )
     });
-    Turn { user_text, tools }
+    let schema = field(body, "generationConfig", "generation_config").and_then(|g| {
+        field(g, "responseJsonSchema", "response_json_schema")
+            .or_else(|| field(g, "responseSchema", "response_schema"))
+            .cloned()
+    });
+    Turn {
+        user_text,
+        tools,
+        schema,
+    }
 }
 
 /// Google's error envelope.

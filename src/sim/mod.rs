@@ -40,6 +40,7 @@ mod record;
 mod reply;
 mod responses;
 mod tokens;
+mod ws;
 
 pub use crate::provider::Api as SimApi;
 pub use cache::{Accounting, CacheEvent, CacheStats};
@@ -122,6 +123,8 @@ pub struct SimConfig {
     pub cache_min_tokens: u64,
     /// Write each request (credentials redacted) to this folder.
     pub record: Option<PathBuf>,
+    /// Serve the Responses WebSocket mode; off, the handshake gets 426.
+    pub websocket: bool,
 }
 
 impl Default for SimConfig {
@@ -139,6 +142,7 @@ impl Default for SimConfig {
             tool_calls: ToolCalls::Always,
             cache_min_tokens: 1024,
             record: None,
+            websocket: true,
         }
     }
 }
@@ -472,6 +476,13 @@ fn bad_json(r: Route) -> Value {
 }
 
 async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Resp {
+    if ws::is_upgrade(&req) {
+        if !sim.cfg.websocket {
+            return ws::refuse();
+        }
+        let cred = credential(&req);
+        return ws::upgrade(sim, req, cred);
+    }
     let path = req.uri().path().to_string();
     let query = req.uri().query().map(str::to_string);
     let Some(r) = route(req.method(), &path) else {

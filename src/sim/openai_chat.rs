@@ -84,7 +84,20 @@ pub(super) fn turn(body: &Value) -> Turn {
             )
         },
     );
-    Turn { user_text, tools }
+    let schema =
+        body.get("response_format")
+            .and_then(|f| match f.get("type").and_then(Value::as_str) {
+                Some("json_schema") => f.pointer("/json_schema/schema").cloned(),
+                Some("json_object") => {
+                    Some(json!({"type":"object","properties":{"answer":{"type":"string"}}}))
+                }
+                _ => None,
+            });
+    Turn {
+        user_text,
+        tools,
+        schema,
+    }
 }
 
 /// The error body each flavour sends for a status the sim was told to fail with.

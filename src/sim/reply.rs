@@ -63,6 +63,8 @@ pub(crate) struct Turn {
     /// result): the only moment the simulated model may call a tool.
     pub user_text: Option<String>,
     pub tools: Vec<ToolSpec>,
+    /// The JSON schema the answer must follow (structured output), if any.
+    pub schema: Option<Value>,
 }
 
 /// The first property name of a JSON schema.
@@ -159,6 +161,9 @@ pub(crate) fn decide(turn: &Turn, mode: ToolCalls, seed: u64, id_prefix: &str) -
             input,
         };
     }
+    if let Some(schema) = &turn.schema {
+        return Reply::Text(fill(schema, &mut rng, 0).to_string());
+    }
     let n = 12 + (rng.next() % 24) as usize;
     let mut s = String::new();
     for i in 0..n {
@@ -169,6 +174,80 @@ pub(crate) fn decide(turn: &Turn, mode: ToolCalls, seed: u64, id_prefix: &str) -
     }
     s.push('.');
     Reply::Text(s)
+}
+
+/// A value that follows a JSON schema (JSON Schema, or the OpenAPI subset
+/// Gemini takes with upper-case types): the required members and the
+/// others, the first of an enum, numbers at their minimum. Agents validate
+/// structured answers (Gemini CLI's model router retries until they do).
+pub(crate) fn fill(schema: &Value, rng: &mut Rng, depth: usize) -> Value {
+    if depth > 12 {
+        return Value::Null;
+    }
+    if let Some(c) = schema.get("const") {
+        return c.clone();
+    }
+    if let Some(e) = schema
+        .get("enum")
+        .and_then(Value::as_array)
+        .and_then(|e| e.first())
+    {
+        return e.clone();
+    }
+    for k in ["anyOf", "oneOf", "allOf"] {
+        if let Some(first) = schema
+            .get(k)
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+        {
+            return fill(first, rng, depth + 1);
+        }
+    }
+    let typ = match schema.get("type") {
+        Some(Value::String(t)) => t.to_ascii_lowercase(),
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|t| *t != "null")
+            .unwrap_or("null")
+            .to_ascii_lowercase(),
+        _ if schema.get("properties").is_some() => "object".into(),
+        _ if schema.get("items").is_some() => "array".into(),
+        _ => "string".into(),
+    };
+    let bound = |k: &str| schema.get(k).and_then(Value::as_f64);
+    match typ.as_str() {
+        "object" => {
+            let mut o = serde_json::Map::new();
+            if let Some(props) = schema.get("properties").and_then(Value::as_object) {
+                for (k, v) in props {
+                    o.insert(k.clone(), fill(v, rng, depth + 1));
+                }
+            }
+            Value::Object(o)
+        }
+        "array" => {
+            let n = schema
+                .get("minItems")
+                .and_then(Value::as_u64)
+                .unwrap_or(1)
+                .max(1);
+            let item = schema.get("items").cloned().unwrap_or(json!({}));
+            Value::Array((0..n).map(|_| fill(&item, rng, depth + 1)).collect())
+        }
+        "integer" => {
+            let lo = bound("minimum").map_or(1, |m| m.ceil() as i64);
+            json!(bound("maximum").map_or(lo, |m| lo.min(m.floor() as i64)))
+        }
+        "number" => json!(bound("minimum").unwrap_or(1.0)),
+        "boolean" => json!(false),
+        "null" => Value::Null,
+        _ => {
+            let n = 3 + (rng.next() % 5) as usize;
+            let words: Vec<&str> = (0..n).map(|_| rng.pick(REPLY_WORDS)).collect();
+            json!(words.join(" "))
+        }
+    }
 }
 
 /// Word-ish chunks, the way a model streams text.

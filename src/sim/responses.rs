@@ -186,7 +186,16 @@ pub(super) fn turn(body: &Value, items: &[Value]) -> Turn {
             .filter(|t| t.get("type").and_then(Value::as_str) == Some("function")),
         |t| (t.get("name"), t.get("parameters")),
     );
-    Turn { user_text, tools }
+    let schema = body
+        .pointer("/text/format")
+        .filter(|f| f.get("type").and_then(Value::as_str) == Some("json_schema"))
+        .and_then(|f| f.get("schema"))
+        .cloned();
+    Turn {
+        user_text,
+        tools,
+        schema,
+    }
 }
 
 /// An OpenAI-shaped error object (`{"error":{message,type,param,code}}`).
@@ -288,25 +297,32 @@ pub(super) fn run(
         ));
     }
     let cached = call.cache(&model, &prompt, Style::Automatic { granularity: 128 });
+    // `"generate": false` (Codex's prewarm over the WebSocket): the prompt is
+    // taken in, nothing is generated.
+    let generate = body.get("generate").and_then(Value::as_bool) != Some(false);
     let reply = reply::decide(
         &turn(body, &items),
         cfg.tool_calls,
         total.wrapping_mul(0x2545_F491_4F6C_DD1D),
         "call_",
     );
-    let output_tokens = call.output_tokens(SimApi::OpenAiResponses, &reply);
+    let output_tokens = if generate {
+        call.output_tokens(SimApi::OpenAiResponses, &reply)
+    } else {
+        0
+    };
     let mut output = Vec::new();
     if let Some(t) = compact_threshold(body) {
         if total > t {
             output.push(compaction_item(&items, c, &mut rng));
         }
     }
-    output.push(match &reply {
+    output.extend(generate.then(|| match &reply {
         Reply::Text(t) => json!({"id":format!("msg_{}", rng.hex(48)),"type":"message","status":"completed",
             "content":[{"type":"output_text","annotations":[],"logprobs":[],"text":t}],"role":"assistant"}),
         Reply::Tool { id, name, input } => json!({"id":format!("fc_{}", rng.hex(48)),"type":"function_call",
             "status":"completed","arguments":input.to_string(),"call_id":id,"name":name}),
-    });
+    }));
     let usage = json!({"input_tokens":total,"input_tokens_details":{"cached_tokens":cached.read},
         "output_tokens":output_tokens,"output_tokens_details":{"reasoning_tokens":0},
         "total_tokens":total+output_tokens});
