@@ -1449,3 +1449,152 @@ async fn websocket_compresses_when_the_client_offers_deflate() {
     }
     assert!(compressed > 3, "the server's frames are deflated");
 }
+
+// ---------------------------------------------------------------------------
+// What the real agents need beyond the basics.
+
+#[tokio::test]
+async fn codex_remote_compaction_and_custom_tools() {
+    let s = start(SimConfig {
+        tool_calls: tidemark::sim::ToolCalls::WhenAsked,
+        ..SimConfig::default()
+    })
+    .await;
+    let dev = json!({"type":"message","role":"developer","content":[{"type":"input_text","text":"You are Codex. ".repeat(200)}]});
+    let tools = json!({"type":"additional_tools","role":"developer","tools":[{"type":"namespace","name":"functions",
+        "tools":[{"type":"custom","name":"exec","description":"Run JavaScript."}]}]});
+    let user = |t: &str| json!({"type":"message","role":"user","content":[{"type":"input_text","text":t}]});
+    // A prompt that names the tool gets a custom tool call, streamed as Codex reads it.
+    let turn = json!({"model":"gpt-5","stream":true,"store":false,"input":[tools, dev, user("Please use exec to list files.")]});
+    let r = post(s.addr, "/v1/responses", &turn, false).await;
+    let evs = sse_events(&r.text());
+    let types = event_types(&evs);
+    assert!(
+        types.contains(&"response.custom_tool_call_input.delta".to_string()),
+        "{types:?}"
+    );
+    let done = &evs.last().unwrap().1["response"];
+    let call = &done["output"][0];
+    assert_eq!(call["type"], "custom_tool_call");
+    assert_eq!(call["name"], "exec");
+    assert!(call["input"].as_str().unwrap().starts_with("text("));
+    // Not asked: text.
+    let plain = json!({"model":"gpt-5","store":false,"input":[tools, dev, user("say hi")]});
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/responses", &plain, false).await.body).unwrap();
+    assert_eq!(v["output"][0]["type"], "message");
+
+    // The trigger: exactly one compaction item.
+    let history = vec![
+        tools.clone(),
+        dev.clone(),
+        user("say hi"),
+        json!({"type":"message","role":"assistant","content":[{"type":"output_text","text":"hi ".repeat(300)}]}),
+    ];
+    let mut with_trigger = history.clone();
+    with_trigger.push(json!({"type":"compaction_trigger"}));
+    let req = json!({"model":"gpt-5","store":false,"input":with_trigger});
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/responses", &req, false).await.body).unwrap();
+    let out = v["output"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{v}");
+    assert_eq!(out[0]["type"], "compaction");
+    // Codex rebuilds its history around it: instructions and first message
+    // before the item count; the assistant's long answer is gone.
+    let rebuilt = json!({"model":"gpt-5","store":false,"input":[tools, dev, user("say hi"), out[0], user("again")]});
+    let r = post(s.addr, "/v1/responses/input_tokens", &rebuilt, false).await;
+    let mut full = history.clone();
+    full.push(user("again"));
+    let before = count_prompt(SimApi::OpenAiResponses, &json!({"input":full})).total;
+    let dropped = count_prompt(
+        SimApi::OpenAiResponses,
+        &json!({"input":[out[0], user("again")]}),
+    )
+    .total;
+    assert!(r.sim_count() < before, "{} < {before}", r.sim_count());
+    assert!(
+        r.sim_count() > dropped + 400,
+        "the resent instructions still count"
+    );
+    // Appended as stateless chaining does: what it replaced is left out.
+    let mut chained = with_trigger[..4].to_vec();
+    chained.push(out[0].clone());
+    chained.push(user("again"));
+    let r = post(
+        s.addr,
+        "/v1/responses/input_tokens",
+        &json!({"model":"gpt-5","input":chained}),
+        false,
+    )
+    .await;
+    assert_eq!(r.sim_count(), dropped);
+}
+
+#[tokio::test]
+async fn structured_answers_follow_their_schema() {
+    let s = start(SimConfig::default()).await;
+    // Gemini CLI's model router.
+    let router = json!({"systemInstruction":{"parts":[{"text":"You are a specialized Task Routing AI."}]},
+        "contents":[{"role":"user","parts":[{"text":"say hi"}]}],
+        "generationConfig":{"responseMimeType":"application/json","responseJsonSchema":{"type":"OBJECT",
+            "properties":{"complexity_reasoning":{"type":"STRING"},"complexity_score":{"type":"INTEGER"}},
+            "required":["complexity_reasoning","complexity_score"]}}});
+    let r = post(
+        s.addr,
+        "/v1beta/models/gemini-3.5-flash-lite:generateContent",
+        &router,
+        false,
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    let answer: Value = serde_json::from_str(
+        v.pointer("/candidates/0/content/parts/0/text")
+            .unwrap()
+            .as_str()
+            .unwrap(),
+    )
+    .expect("the text is JSON");
+    let score = answer["complexity_score"].as_i64().expect("an integer");
+    assert!((1..=100).contains(&score));
+    assert!(answer["complexity_reasoning"].is_string());
+
+    let schema = json!({"type":"object","properties":{"title":{"type":"string"},"n":{"type":"integer","minimum":3},
+        "tags":{"type":"array","items":{"enum":["a","b"]}}},"required":["title","n","tags"],"additionalProperties":false});
+    let check = |text: &str| {
+        let a: Value = serde_json::from_str(text).expect("JSON");
+        assert!(
+            a["title"].is_string() && a["n"] == 3 && a["tags"] == json!(["a"]),
+            "{a}"
+        );
+    };
+    let mut chat = openai_req(false, false);
+    chat["response_format"] =
+        json!({"type":"json_schema","json_schema":{"name":"t","schema":schema}});
+    let v: Value = serde_json::from_slice(
+        &post(s.addr, "/v1/chat/completions", &chat, false)
+            .await
+            .body,
+    )
+    .unwrap();
+    check(
+        v.pointer("/choices/0/message/content")
+            .unwrap()
+            .as_str()
+            .unwrap(),
+    );
+    let mut resp = responses_req(false);
+    resp["text"] = json!({"format":{"type":"json_schema","name":"t","schema":schema}});
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/responses", &resp, false).await.body).unwrap();
+    check(
+        v.pointer("/output/0/content/0/text")
+            .unwrap()
+            .as_str()
+            .unwrap(),
+    );
+    let mut msg = anthropic_req(false);
+    msg["output_format"] = json!({"type":"json_schema","schema":schema});
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/messages", &msg, false).await.body).unwrap();
+    check(v.pointer("/content/0/text").unwrap().as_str().unwrap());
+}

@@ -227,7 +227,22 @@ pub(crate) struct Call<'a> {
     with_usage: bool,
 }
 
-impl Call<'_> {
+impl<'a> Call<'a> {
+    /// Completion request number `n` (1-based), no query, not gzipped.
+    fn new(sim: &'a Sim, path: &'a str, credential: String, n: u64) -> Self {
+        Call {
+            sim,
+            path,
+            query: None,
+            credential,
+            gzip: false,
+            n,
+            with_usage: !sim
+                .cfg
+                .omit_usage_every
+                .is_some_and(|k| k > 0 && n % k == 0),
+        }
+    }
     fn counting(&self, api: SimApi) -> Counting {
         counting(api, self.sim.cfg.counting)
     }
@@ -530,16 +545,9 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Resp {
         n
     };
     let call = Call {
-        sim: &sim,
-        path: &path,
         query: query.as_deref(),
-        credential: cred,
         gzip,
-        n,
-        with_usage: !sim
-            .cfg
-            .omit_usage_every
-            .is_some_and(|k| k > 0 && n % k == 0),
+        ..Call::new(&sim, &path, cred, n)
     };
     let (resp, count) = match r {
         Route::Chat => with(openai_chat::complete(&call, &body)),

@@ -54,6 +54,8 @@ pub(crate) enum Reply {
 pub(crate) struct ToolSpec {
     pub name: String,
     pub arg: Option<String>,
+    /// A freeform tool (Responses `custom`): its input is text, not JSON.
+    pub custom: bool,
 }
 
 /// What the reply depends on, read from a request by its API's module.
@@ -87,6 +89,7 @@ pub(crate) fn tool_specs<'a>(
             ToolSpec {
                 name: name.and_then(Value::as_str).unwrap_or("tool").to_string(),
                 arg: first_property(schema),
+                custom: false,
             }
         })
         .collect()
@@ -150,9 +153,11 @@ pub(crate) fn decide(turn: &Turn, mode: ToolCalls, seed: u64, id_prefix: &str) -
     if let Some(i) = chosen {
         let t = &turn.tools[i];
         let val = format!("{}-{}", rng.pick(REPLY_WORDS), rng.next() % 1000);
-        let input = match &t.arg {
-            Some(a) => json!({ a: val }),
-            None => json!({}),
+        // A freeform input that Codex's `exec` tool (JavaScript) runs.
+        let input = match (&t.arg, t.custom) {
+            (_, true) => Value::String(format!("text({val:?})")),
+            (Some(a), false) => json!({ a: val }),
+            (None, false) => json!({}),
         };
         let id = format!("{id_prefix}{:016x}", rng.next());
         return Reply::Tool {

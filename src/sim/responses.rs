@@ -18,8 +18,8 @@ use serde_json::{json, Value};
 
 use super::cache::Style;
 use super::http;
-use super::prompt::{Builder, Prompt};
-use super::reply::{self, content_text, tool_specs, Reply, Rng, Turn};
+use super::prompt::{canonical_hash, elements, Builder, Prompt};
+use super::reply::{self, content_text, tool_specs, Reply, Rng, ToolSpec, Turn};
 use super::tokens::Counting;
 use super::{Call, SimApi};
 
@@ -71,21 +71,37 @@ fn content_tokens(b: &Builder, c: &Value) -> u64 {
 }
 
 /// The summary size a compaction item stands for.
+/// What one of the sim's compaction items says of itself: the size of its
+/// summary, and the chain hash of the items it replaced.
+fn compaction_payload(item: &Value) -> Option<(u64, u64)> {
+    let enc = item.get("encrypted_content")?.as_str()?;
+    let raw = base64::engine::general_purpose::STANDARD.decode(enc).ok()?;
+    let s = String::from_utf8(raw).ok()?;
+    let mut f = s.strip_prefix(COMPACTION_MAGIC)?.split(':');
+    let summary = f.next()?.parse().ok()?;
+    let replaced = u64::from_str_radix(f.next()?, 16).ok()?;
+    Some((summary, replaced))
+}
+
+/// The summary size a compaction item stands for.
 fn compaction_tokens(b: &Builder, item: &Value) -> u64 {
-    let enc = item
-        .get("encrypted_content")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    base64::engine::general_purpose::STANDARD
-        .decode(enc)
-        .ok()
-        .and_then(|raw| String::from_utf8(raw).ok())
-        .and_then(|s| {
-            s.strip_prefix(COMPACTION_MAGIC)
-                .and_then(|r| r.split(':').next()?.parse().ok())
-        })
+    compaction_payload(item).map_or_else(
         // Someone else's opaque payload: about a token per four characters.
-        .unwrap_or_else(|| b.tok(enc) / 4)
+        || b.tok_json(item.get("encrypted_content").unwrap_or(&Value::Null)) / 4,
+        |(summary, _)| summary,
+    )
+}
+
+/// The chain hashes of every prefix of `items` as the provider sees them
+/// (ids and status aside): entry k covers `items[..k]`.
+fn chains(items: &[Value]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(items.len() + 1);
+    out.push(0u64);
+    for it in items {
+        let h = out[out.len() - 1];
+        out.push(canonical_hash(&json!([h, canonical_hash(&strip_ids(it))])));
+    }
+    out
 }
 
 fn item_tokens(b: &Builder, it: &Value) -> u64 {
@@ -124,16 +140,27 @@ fn item_tokens(b: &Builder, it: &Value) -> u64 {
 }
 
 /// Index of the latest compaction item: items before it no longer count.
+///
+/// A compaction item replaces exactly the items it was made from: when they
+/// still stand before it (stateless chaining appends output to input, and
+/// `previous_response_id` does the same server-side), they are left out.
+/// A client that rebuilt its history around the item (Codex's remote
+/// compaction resends its instructions and first message before it) has
+/// everything before it counted.
 fn compacted_from(items: &[Value]) -> usize {
+    let prefix = chains(items);
     items
         .iter()
-        .rposition(|it| {
+        .enumerate()
+        .rev()
+        .filter(|(_, it)| {
             matches!(
                 it.get("type").and_then(Value::as_str),
                 Some("compaction" | "compaction_summary")
             )
         })
-        .unwrap_or(0)
+        .find(|&(k, it)| compaction_payload(it).is_some_and(|(_, replaced)| replaced == prefix[k]))
+        .map_or(0, |(k, _)| k)
 }
 
 /// The prompt of a request whose resolved conversation is `items`.
@@ -170,6 +197,36 @@ fn strip_ids(it: &Value) -> Value {
     v
 }
 
+/// The request's function and custom tools: top-level `tools`, and those
+/// Codex sends as an `additional_tools` input item, namespaces opened.
+fn tools(body: &Value, items: &[Value]) -> Vec<ToolSpec> {
+    fn walk<'a>(ts: impl Iterator<Item = &'a Value>, out: &mut Vec<ToolSpec>) {
+        for t in ts {
+            match t.get("type").and_then(Value::as_str) {
+                Some("namespace") => walk(elements(t, "tools"), out),
+                Some(k @ ("function" | "custom")) => out.extend(
+                    tool_specs([t], |t| (t.get("name"), t.get("parameters")))
+                        .into_iter()
+                        .map(|s| ToolSpec {
+                            custom: k == "custom",
+                            ..s
+                        }),
+                ),
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(elements(body, "tools"), &mut out);
+    for it in items
+        .iter()
+        .filter(|it| it.get("type").and_then(Value::as_str) == Some("additional_tools"))
+    {
+        walk(elements(it, "tools"), &mut out);
+    }
+    out
+}
+
 pub(super) fn turn(body: &Value, items: &[Value]) -> Turn {
     let user_text = items
         .last()
@@ -178,14 +235,7 @@ pub(super) fn turn(body: &Value, items: &[Value]) -> Turn {
                 && m.get("role").and_then(Value::as_str) == Some("user")
         })
         .and_then(|m| content_text(m.get("content")));
-    let tools = tool_specs(
-        body.get("tools")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter(|t| t.get("type").and_then(Value::as_str) == Some("function")),
-        |t| (t.get("name"), t.get("parameters")),
-    );
+    let tools = tools(body, items);
     let schema = body
         .pointer("/text/format")
         .filter(|f| f.get("type").and_then(Value::as_str) == Some("json_schema"))
@@ -312,14 +362,22 @@ pub(super) fn run(
         0
     };
     let mut output = Vec::new();
-    if let Some(t) = compact_threshold(body) {
-        if total > t {
-            output.push(compaction_item(&items, c, &mut rng));
-        }
+    // Remote compaction (Codex's `responses_compaction_v2`): an input that
+    // ends in a `compaction_trigger` item gets exactly one compaction item.
+    let trigger = items
+        .last()
+        .is_some_and(|it| it.get("type").and_then(Value::as_str) == Some("compaction_trigger"));
+    if trigger {
+        output.push(compaction_item(&items[..items.len() - 1], c, &mut rng));
+    } else if compact_threshold(body).is_some_and(|t| total > t) {
+        output.push(compaction_item(&items, c, &mut rng));
     }
-    output.extend(generate.then(|| match &reply {
+    output.extend((generate && !trigger).then(|| match &reply {
         Reply::Text(t) => json!({"id":format!("msg_{}", rng.hex(48)),"type":"message","status":"completed",
             "content":[{"type":"output_text","annotations":[],"logprobs":[],"text":t}],"role":"assistant"}),
+        // A freeform (custom) tool's input is text.
+        Reply::Tool { id, name, input: Value::String(s) } => json!({"id":format!("ctc_{}", rng.hex(48)),
+            "type":"custom_tool_call","status":"completed","call_id":id,"name":name,"input":s}),
         Reply::Tool { id, name, input } => json!({"id":format!("fc_{}", rng.hex(48)),"type":"function_call",
             "status":"completed","arguments":input.to_string(),"call_id":id,"name":name}),
     }));
@@ -366,7 +424,8 @@ fn compaction_item(items: &[Value], c: Counting, rng: &mut Rng) -> Value {
         .map(|it| item_tokens(&b, it))
         .sum();
     let summary = (summarised / 10).max(32);
-    let payload = format!("{COMPACTION_MAGIC}{summary}:{}", rng.hex(64));
+    let replaced = chains(items).last().copied().unwrap_or(0);
+    let payload = format!("{COMPACTION_MAGIC}{summary}:{replaced:x}:{}", rng.hex(64));
     json!({"id":format!("cmp_{}", rng.hex(48)),"type":"compaction",
         "encrypted_content":base64::engine::general_purpose::STANDARD.encode(payload)})
 }
@@ -431,21 +490,27 @@ fn events(base: &Value, done: &Value, output: &[Value]) -> Vec<Value> {
                 );
                 push(json!({"type":"response.output_item.done","output_index":i,"item":item}));
             }
-            Some("function_call") => {
-                let args = item.get("arguments").and_then(Value::as_str).unwrap_or("");
+            Some(kind @ ("function_call" | "custom_tool_call")) => {
+                // (the field holding the call's input, the events' stem)
+                let (field, stem) = if kind == "function_call" {
+                    ("arguments", "response.function_call_arguments")
+                } else {
+                    ("input", "response.custom_tool_call_input")
+                };
+                let args = item.get(field).and_then(Value::as_str).unwrap_or("");
                 let mut open = item.clone();
                 open["status"] = json!("in_progress");
-                open["arguments"] = json!("");
+                open[field] = json!("");
                 push(json!({"type":"response.output_item.added","output_index":i,"item":open}));
                 for p in reply::arg_pieces(args) {
                     let ob = pad.hex(4);
                     push(
-                        json!({"type":"response.function_call_arguments.delta","item_id":item_id,"output_index":i,
+                        json!({"type":format!("{stem}.delta"),"item_id":item_id,"output_index":i,
                         "delta":p,"obfuscation":ob}),
                     );
                 }
                 push(
-                    json!({"type":"response.function_call_arguments.done","item_id":item_id,"output_index":i,"arguments":args}),
+                    json!({"type":format!("{stem}.done"),"item_id":item_id,"output_index":i,field:args}),
                 );
                 push(json!({"type":"response.output_item.done","output_index":i,"item":item}));
             }

@@ -323,18 +323,7 @@ async fn respond(
     if !sim.cfg.first_byte_delay.is_zero() {
         tokio::time::sleep(sim.cfg.first_byte_delay).await;
     }
-    let call = Call {
-        sim: &sim,
-        path: &path,
-        query: None,
-        credential,
-        gzip: false,
-        n,
-        with_usage: !sim
-            .cfg
-            .omit_usage_every
-            .is_some_and(|k| k > 0 && n % k == 0),
-    };
+    let call = Call::new(&sim, &path, credential, n);
     let snapshot = local.lock().map(|l| l.clone()).unwrap_or_default();
     let events = match responses::run(&call, &body, Some(&snapshot)) {
         Ok(r) => {
