@@ -1598,3 +1598,52 @@ async fn structured_answers_follow_their_schema() {
         serde_json::from_slice(&post(s.addr, "/v1/messages", &msg, false).await.body).unwrap();
     check(v.pointer("/content/0/text").unwrap().as_str().unwrap());
 }
+
+#[tokio::test]
+async fn a_tool_asked_for_by_name_gets_arguments_its_schema_accepts() {
+    let s = start(SimConfig {
+        tool_calls: tidemark::sim::ToolCalls::WhenAsked,
+        ..SimConfig::default()
+    })
+    .await;
+    let agent = json!({"name":"Agent","input_schema":{"type":"object","properties":{
+        "description":{"type":"string"},"prompt":{"type":"string"},
+        "subagent_type":{"type":"string","enum":["general-purpose","Explore"]}},
+        "required":["description","prompt","subagent_type"]}});
+    let mut req = anthropic_req(false);
+    req["tools"] = json!([agent]);
+    req["messages"] = json!([{"role":"user","content":"say hi"}]);
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/messages", &req, false).await.body).unwrap();
+    assert_eq!(v["content"][0]["type"], "text", "not asked: no tool");
+    req["messages"] = json!([{"role":"user","content":"Use the Agent tool to count to three."}]);
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/messages", &req, false).await.body).unwrap();
+    let call = &v["content"][0];
+    assert_eq!(call["type"], "tool_use");
+    assert_eq!(call["name"], "Agent");
+    let input = &call["input"];
+    assert!(
+        input["description"].is_string() && input["prompt"].is_string(),
+        "{input}"
+    );
+    assert_eq!(input["subagent_type"], "general-purpose");
+    // Arguments spelled out after the name are the ones used; a trailing
+    // system-role message and reminder blocks (Claude Code's) are not the ask.
+    req["messages"] = json!([
+        {"role":"user","content":[{"type":"text","text":"<system-reminder>use Agent</system-reminder>"},
+            {"type":"text","text":"Use Agent {\"description\":\"Count\",\"prompt\":\"count to three\",\"subagent_type\":\"Explore\"}"}]},
+        {"role":"system","content":"Environment: use Agent freely."}]);
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/messages", &req, false).await.body).unwrap();
+    assert_eq!(
+        v["content"][0]["input"],
+        json!({"description":"Count","prompt":"count to three","subagent_type":"Explore"})
+    );
+    req["messages"] = json!([
+        {"role":"user","content":[{"type":"text","text":"<system-reminder>use Agent</system-reminder>"},{"type":"text","text":"say hi"}]},
+        {"role":"system","content":"Environment: use Agent freely."}]);
+    let v: Value =
+        serde_json::from_slice(&post(s.addr, "/v1/messages", &req, false).await.body).unwrap();
+    assert_eq!(v["content"][0]["type"], "text");
+}

@@ -70,20 +70,36 @@ pub(super) fn count(body: &Value, c: Counting) -> Prompt {
     b.finish()
 }
 
+/// The user's turn: Claude Code follows it with a `role: "system"` message
+/// (its environment) and opens it with `<system-reminder>` blocks, neither
+/// of which is what the user asked.
 pub(super) fn turn(body: &Value) -> Turn {
     let user_text = body
         .get("messages")
         .and_then(Value::as_array)
-        .and_then(|m| m.last())
+        .and_then(|m| {
+            m.iter()
+                .rev()
+                .find(|m| m.get("role").and_then(Value::as_str) != Some("system"))
+        })
         .filter(|m| m.get("role").and_then(Value::as_str) == Some("user"))
         .filter(|m| {
-            !m.get("content")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
+            !elements(m, "content")
                 .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
         })
-        .and_then(|m| content_text(m.get("content")));
+        .and_then(|m| match m.get("content") {
+            Some(Value::Array(bs)) => content_text(Some(&Value::Array(
+                bs.iter()
+                    .filter(|b| {
+                        !b.get("text")
+                            .and_then(Value::as_str)
+                            .is_some_and(|t| t.starts_with("<system-reminder>"))
+                    })
+                    .cloned()
+                    .collect(),
+            ))),
+            c => content_text(c),
+        });
     let tools = tool_specs(
         body.get("tools")
             .and_then(Value::as_array)

@@ -54,6 +54,8 @@ pub(crate) enum Reply {
 pub(crate) struct ToolSpec {
     pub name: String,
     pub arg: Option<String>,
+    /// Its parameter schema.
+    pub schema: Option<Value>,
     /// A freeform tool (Responses `custom`): its input is text, not JSON.
     pub custom: bool,
 }
@@ -89,6 +91,7 @@ pub(crate) fn tool_specs<'a>(
             ToolSpec {
                 name: name.and_then(Value::as_str).unwrap_or("tool").to_string(),
                 arg: first_property(schema),
+                schema: schema.cloned(),
                 custom: false,
             }
         })
@@ -129,6 +132,19 @@ fn asks_for(text: &str, name: &str) -> bool {
     })
 }
 
+/// Arguments spelled out after the tool's name: "use Agent {\"prompt\": …}"
+/// (a JSON object within a few characters of the name).
+fn spelled_args(text: &str, name: &str) -> Option<Value> {
+    let at = text.find(name)? + name.len();
+    let rest = &text[at..];
+    let brace = rest.find('{').filter(|&i| i <= 16)?;
+    serde_json::Deserializer::from_str(&rest[brace..])
+        .into_iter::<Value>()
+        .next()?
+        .ok()
+        .filter(Value::is_object)
+}
+
 fn word_char(c: Option<char>) -> bool {
     c.is_some_and(|c| c.is_alphanumeric() || c == '_')
 }
@@ -153,11 +169,20 @@ pub(crate) fn decide(turn: &Turn, mode: ToolCalls, seed: u64, id_prefix: &str) -
     if let Some(i) = chosen {
         let t = &turn.tools[i];
         let val = format!("{}-{}", rng.pick(REPLY_WORDS), rng.next() % 1000);
-        // A freeform input that Codex's `exec` tool (JavaScript) runs.
-        let input = match (&t.arg, t.custom) {
-            (_, true) => Value::String(format!("text({val:?})")),
-            (Some(a), false) => json!({ a: val }),
-            (None, false) => json!({}),
+        // A freeform input that Codex's `exec` tool (JavaScript) runs; for
+        // a tool asked for by name, arguments its schema accepts (Claude
+        // Code validates them: its Agent tool needs three); otherwise the
+        // first parameter alone, as the demo's agent has always had it.
+        let spelled = match (mode, &turn.user_text) {
+            (ToolCalls::WhenAsked, Some(text)) => spelled_args(text, &t.name),
+            _ => None,
+        };
+        let input = match (spelled, &t.arg, t.custom, &t.schema) {
+            (Some(v), ..) => v,
+            (None, _, true, _) => Value::String(format!("text({val:?})")),
+            (None, _, false, Some(s)) if mode == ToolCalls::WhenAsked => fill(s, &mut rng, 0),
+            (None, Some(a), false, _) => json!({ a: val }),
+            (None, None, false, _) => json!({}),
         };
         let id = format!("{id_prefix}{:016x}", rng.next());
         return Reply::Tool {
