@@ -1647,3 +1647,80 @@ async fn a_tool_asked_for_by_name_gets_arguments_its_schema_accepts() {
         serde_json::from_slice(&post(s.addr, "/v1/messages", &req, false).await.body).unwrap();
     assert_eq!(v["content"][0]["type"], "text");
 }
+
+#[tokio::test]
+async fn tool_calls_in_each_apis_own_shape() {
+    let s = start(SimConfig::default()).await;
+    let params = json!({"type":"object","properties":{"location":{"type":"string"}},"required":["location"]});
+    // Responses: a function_call item, arguments streamed as the fixture's.
+    let mut req = responses_req(true);
+    req["tools"] = json!([{"type":"function","name":"get_weather","parameters":params}]);
+    let evs = sse_events(&post(s.addr, "/v1/responses", &req, false).await.text());
+    let fx = sse_events(&fixture("openai-responses/stream_function_call.sse"));
+    let skip_reasoning = |v: &[(Option<String>, Value)]| {
+        v.iter()
+            .filter(|(_, e)| e.pointer("/item/type") != Some(&json!("reasoning")))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(event_types(&evs), event_types(&skip_reasoning(&fx)));
+    let call = &evs.last().unwrap().1["response"]["output"][0];
+    assert_eq!(
+        keys(call),
+        keys(&fx.last().unwrap().1["response"]["output"][1])
+    );
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["location"].is_string());
+
+    // Gemini: a functionCall part with object args.
+    let mut g = gemini_req();
+    g["tools"] = json!([{"functionDeclarations":[{"name":"getWeather","parameters":params}]}]);
+    let r = post(
+        s.addr,
+        "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse",
+        &g,
+        false,
+    )
+    .await;
+    let evs = sse_events(&r.text().replace("\r\n", "\n"));
+    let part = &evs[0].1["candidates"][0]["content"]["parts"][0];
+    assert_eq!(part["functionCall"]["name"], "getWeather");
+    assert!(part["functionCall"]["args"]["location"].is_string());
+    // The function's answer goes back as a user functionResponse: text then.
+    g["contents"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role":"model","parts":[part]}));
+    g["contents"].as_array_mut().unwrap().push(json!({"role":"user","parts":[{"functionResponse":{"name":"getWeather","response":{"t":21}}}]}));
+    let r = post(
+        s.addr,
+        "/v1beta/models/gemini-2.5-flash:generateContent",
+        &g,
+        false,
+    )
+    .await;
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    assert!(v["candidates"][0]["content"]["parts"][0]["text"].is_string());
+
+    // Ollama: tool_calls with object arguments, then the done line.
+    let mut o = ollama_req(true);
+    o["tools"] = json!([{"type":"function","function":{"name":"get_weather","parameters":params}}]);
+    let r = post(s.addr, "/api/chat", &o, false).await;
+    let lines: Vec<Value> = r
+        .text()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let fx: Vec<Value> = fixture("ollama/api_chat_stream_tool_calls.ndjson")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    let tc = &lines[0]["message"]["tool_calls"][0];
+    assert_eq!(keys(tc), keys(&fx[0]["message"]["tool_calls"][0]));
+    assert!(
+        tc["function"]["arguments"]["location"].is_string(),
+        "an object, not a string"
+    );
+    assert_eq!(lines[1]["done"], true);
+}

@@ -10,14 +10,20 @@
 //! - `"generate": false` is Codex's prewarm: `response.created` and
 //!   `response.completed` with no output, whose id the first real turn then
 //!   continues (observed from Codex CLI 0.169, /work/coord/agents-findings.md).
-//! - `stream_id` (the multi-stream beta): responses of different streams run
-//!   at once and their events carry their `stream_id`; within a stream, one
-//!   at a time, in order.
+//! - `stream_id` (the multi-stream beta): requests of one stream are served
+//!   first in, first out, those of different streams at once, and every event
+//!   of a response echoes its `stream_id`; `previous_response_id` may name a
+//!   response of another stream (a fork). (openai-python 3.63
+//!   types/responses/responses_client_event_param.py, responses_server_event.py.)
 //! - permessage-deflate when the client offers it (Codex does), with the
 //!   frame codec of `crate::ws`.
 //! - Errors before a response starts are `{"type":"error","status":N,
-//!   "error":{type,code,message,param}}`, the shape Codex maps to an HTTP
-//!   status (openai/codex codex-api/src/endpoint/responses_websocket.rs).
+//!   "error":{type,code,message,param}}`: the SDK's `ResponseWsError`, and
+//!   the shape Codex maps to an HTTP status (openai/codex
+//!   codex-api/src/endpoint/responses_websocket.rs).
+//!
+//! Checked against Codex CLI 0.169 and openai-python 3.63's
+//! `client.responses.connect()`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
