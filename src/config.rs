@@ -31,6 +31,62 @@ pub enum Command {
         #[arg(long)]
         keep_running: bool,
     },
+    /// Serve the simulated provider alone, for real agents pointed at it
+    /// (the agent tests and the capture of what agents send).
+    #[command(hide = true)]
+    Sim(SimArgs),
+}
+
+/// `tidemark sim`'s flags: the knobs of [`crate::sim::SimConfig`] a real
+/// agent's run needs.
+#[derive(Debug, Clone, Args)]
+pub struct SimArgs {
+    #[arg(long, default_value = "127.0.0.1:8788")]
+    pub listen: SocketAddr,
+    /// The server the OpenAI chat path imitates: openai, vllm, llamacpp, ollama.
+    #[arg(long, default_value = "openai")]
+    pub flavour: crate::sim::Flavour,
+    /// Write every request (credentials redacted) to this folder.
+    #[arg(long)]
+    pub record: Option<PathBuf>,
+    /// Refuse prompts over this many tokens in each API's own words.
+    #[arg(long)]
+    pub context_window: Option<u64>,
+    /// When the model calls tools: asked (only when the prompt names one),
+    /// always, never.
+    #[arg(long, default_value = "asked")]
+    pub tools: String,
+    /// Count with the honest column of the sim's counting table.
+    #[arg(long)]
+    pub honest: bool,
+    /// Refuse the Responses WebSocket mode (426).
+    #[arg(long)]
+    pub no_websocket: bool,
+}
+
+impl SimArgs {
+    pub fn sim_config(&self) -> Result<crate::sim::SimConfig, String> {
+        use crate::sim::{CountingMode, SimConfig, ToolCalls};
+        Ok(SimConfig {
+            context_window: self.context_window,
+            counting: if self.honest {
+                CountingMode::Honest
+            } else {
+                CountingMode::Today
+            },
+            flavour: self.flavour,
+            tool_calls: match self.tools.as_str() {
+                "asked" => ToolCalls::WhenAsked,
+                "always" => ToolCalls::Always,
+                "never" => ToolCalls::Never,
+                t => return Err(format!("--tools {t}: asked, always or never")),
+            },
+            record: self.record.clone(),
+            websocket: !self.no_websocket,
+            gzip: true,
+            ..SimConfig::default()
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

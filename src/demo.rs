@@ -27,7 +27,14 @@ use crate::config::Flags;
 use crate::estimate::Estimator;
 use crate::inspect::RequestView;
 use crate::provider::Api;
-use crate::sim::{self, SimApi, SimConfig, X_SIM_PROMPT_TOKENS};
+use crate::sim::{self, SimConfig, X_SIM_PROMPT_TOKENS};
+
+/// The APIs the demo's scripted agent speaks (the simulator speaks more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DemoApi {
+    OpenAiChat,
+    Anthropic,
+}
 
 /// The demo's models get a small window so a session fills it in a couple
 /// of dozen turns (the simulator enforces the same window).
@@ -54,7 +61,7 @@ pub struct Row {
 
 /// A finished session: its rows and how it ended.
 pub struct SessionRun {
-    pub api: SimApi,
+    pub api: DemoApi,
     pub model: &'static str,
     pub key: String,
     pub window: u64,
@@ -409,7 +416,7 @@ enum Reply {
 
 /// A scripted agent: it keeps a growing history in its API's shape.
 pub struct Agent {
-    api: SimApi,
+    api: DemoApi,
     model: &'static str,
     system: String,
     messages: Vec<Value>,
@@ -417,14 +424,14 @@ pub struct Agent {
 }
 
 impl Agent {
-    pub fn new(api: SimApi, seed: u64) -> Self {
+    pub fn new(api: DemoApi, seed: u64) -> Self {
         let mut rng = Rng::new(seed);
         let first = user_message(&mut rng);
         let mut a = Agent {
             api,
             model: match api {
-                SimApi::OpenAiChat => OPENAI_MODEL,
-                SimApi::Anthropic => ANTHROPIC_MODEL,
+                DemoApi::OpenAiChat => OPENAI_MODEL,
+                DemoApi::Anthropic => ANTHROPIC_MODEL,
             },
             system: system_prompt(),
             messages: Vec::new(),
@@ -441,7 +448,7 @@ impl Agent {
     /// The request body, in the API's official shape.
     pub fn body(&self) -> Value {
         match self.api {
-            SimApi::OpenAiChat => {
+            DemoApi::OpenAiChat => {
                 let tools: Vec<Value> = TOOLS
                     .iter()
                     .map(|t| json!({"type":"function","function":{"name":t.name,"description":t.description,
@@ -451,7 +458,7 @@ impl Agent {
                 msgs.extend(self.messages.iter().cloned());
                 json!({"model":self.model,"messages":msgs,"tools":tools,"stream":true,"temperature":0.2})
             }
-            SimApi::Anthropic => {
+            DemoApi::Anthropic => {
                 let tools: Vec<Value> = TOOLS
                     .iter()
                     .map(|t| json!({"name":t.name,"description":t.description,
@@ -467,25 +474,25 @@ impl Agent {
     /// write the next user message.
     fn advance(&mut self, reply: Reply) {
         match (self.api, reply) {
-            (SimApi::OpenAiChat, Reply::Text(t)) => {
+            (DemoApi::OpenAiChat, Reply::Text(t)) => {
                 self.messages.push(json!({"role":"assistant","content":t}));
                 let u = user_message(&mut self.rng);
                 self.push_user(u);
             }
-            (SimApi::OpenAiChat, Reply::Tool { id, name, input }) => {
+            (DemoApi::OpenAiChat, Reply::Tool { id, name, input }) => {
                 self.messages.push(json!({"role":"assistant","content":null,
                     "tool_calls":[{"id":id,"type":"function","function":{"name":name,"arguments":input}}]}));
                 let out = run_tool(&name, &mut self.rng);
                 self.messages
                     .push(json!({"role":"tool","tool_call_id":id,"content":out}));
             }
-            (SimApi::Anthropic, Reply::Text(t)) => {
+            (DemoApi::Anthropic, Reply::Text(t)) => {
                 self.messages
                     .push(json!({"role":"assistant","content":[{"type":"text","text":t}]}));
                 let u = user_message(&mut self.rng);
                 self.push_user(u);
             }
-            (SimApi::Anthropic, Reply::Tool { id, name, input }) => {
+            (DemoApi::Anthropic, Reply::Tool { id, name, input }) => {
                 let input: Value = serde_json::from_str(&input).unwrap_or_else(|_| json!({}));
                 self.messages.push(json!({"role":"assistant","content":[{"type":"tool_use","id":id,"name":name,"input":input}]}));
                 let out = run_tool(&name, &mut self.rng);
@@ -496,7 +503,7 @@ impl Agent {
 }
 
 /// Reassemble the reply from an SSE body in either API's format.
-fn parse_stream(api: SimApi, body: &str) -> Option<Reply> {
+fn parse_stream(api: DemoApi, body: &str) -> Option<Reply> {
     let mut text = String::new();
     let (mut id, mut name, mut args) = (String::new(), String::new(), String::new());
     for line in body.lines() {
@@ -511,7 +518,7 @@ fn parse_stream(api: SimApi, body: &str) -> Option<Reply> {
             continue;
         };
         match api {
-            SimApi::OpenAiChat => {
+            DemoApi::OpenAiChat => {
                 let Some(d) = v.pointer("/choices/0/delta") else {
                     continue;
                 };
@@ -530,7 +537,7 @@ fn parse_stream(api: SimApi, body: &str) -> Option<Reply> {
                     }
                 }
             }
-            SimApi::Anthropic => match v.get("type").and_then(Value::as_str) {
+            DemoApi::Anthropic => match v.get("type").and_then(Value::as_str) {
                 Some("content_block_start") => {
                     if let Some(b) = v.get("content_block") {
                         if b.get("type").and_then(Value::as_str) == Some("tool_use") {
@@ -594,7 +601,7 @@ async fn run_session(
     client: &HttpClient,
     proxy: SocketAddr,
     estimator: &Estimator,
-    api: SimApi,
+    api: DemoApi,
     key: String,
     turns: u32,
     seed: u64,
@@ -605,8 +612,8 @@ async fn run_session(
 ) -> SessionRun {
     let mut agent = Agent::new(api, seed);
     let (path, tapi) = match api {
-        SimApi::OpenAiChat => ("/v1/chat/completions", Api::OpenAiChat),
-        SimApi::Anthropic => ("/v1/messages", Api::Anthropic),
+        DemoApi::OpenAiChat => ("/v1/chat/completions", Api::OpenAiChat),
+        DemoApi::Anthropic => ("/v1/messages", Api::Anthropic),
     };
     let mut run = SessionRun {
         api,
@@ -635,8 +642,8 @@ async fn run_session(
             .header("content-type", "application/json")
             .header("x-session-id", &key);
         req = match api {
-            SimApi::OpenAiChat => req.header("authorization", "Bearer sk-demo-not-a-real-key"),
-            SimApi::Anthropic => req
+            DemoApi::OpenAiChat => req.header("authorization", "Bearer sk-demo-not-a-real-key"),
+            DemoApi::Anthropic => req
                 .header("x-api-key", "sk-ant-demo-not-a-real-key")
                 .header("anthropic-version", "2023-06-01")
                 .header("accept-encoding", "gzip"),
@@ -823,10 +830,10 @@ fn table(run: &SessionRun, paint: &Paint) -> String {
     s
 }
 
-fn api_name(api: SimApi) -> &'static str {
+fn api_name(api: DemoApi) -> &'static str {
     match api {
-        SimApi::OpenAiChat => "openai-chat",
-        SimApi::Anthropic => "anthropic-messages",
+        DemoApi::OpenAiChat => "openai-chat",
+        DemoApi::Anthropic => "anthropic-messages",
     }
 }
 
@@ -966,7 +973,7 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     );
     let gates = (stack.warn_at, stack.limit_at);
     let mut runs = Vec::new();
-    for (i, api) in [SimApi::OpenAiChat, SimApi::Anthropic]
+    for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
         .into_iter()
         .enumerate()
     {
@@ -1025,7 +1032,7 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
             tokio::spawn(async move {
                 let hidden = indicatif::ProgressBar::hidden();
                 for round in 2u64.. {
-                    for (i, api) in [SimApi::OpenAiChat, SimApi::Anthropic]
+                    for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
                         .into_iter()
                         .enumerate()
                     {

@@ -61,7 +61,8 @@
 //!    is exported (`metrics.rs`, every metric name in one file).
 //!
 //! `tidemark demo` (`demo.rs`) runs all of this against a simulated provider
-//! (`sim.rs`) that counts with a different tokenizer, so the drift is real.
+//! (`sim/`, one file per API it speaks) that counts with other tokenizers,
+//! so the drift is real; `tidemark sim` serves it alone, for real agents.
 #![forbid(unsafe_code)]
 
 pub mod config;

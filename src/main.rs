@@ -73,6 +73,20 @@ async fn main() -> anyhow::Result<()> {
                 .context("demo")?;
             Ok(())
         }
+        Some(Command::Sim(args)) => {
+            let cfg = args
+                .sim_config()
+                .map_err(anyhow::Error::msg)
+                .context("invalid flags")?;
+            let listener = tokio::net::TcpListener::bind(args.listen)
+                .await
+                .with_context(|| format!("binding --listen {}", args.listen))?;
+            tracing::info!(listen = %listener.local_addr()?, "tidemark sim serving");
+            tidemark::sim::Simulator::new(cfg)
+                .serve(listener, shutdown_signal())
+                .await;
+            Ok(())
+        }
         None => {
             let config = cli
                 .flags
