@@ -1,11 +1,12 @@
 # tidemark container image.
 #
 #   docker build -t tidemark .
-#   docker run --rm -p 8787:8787 -p 9787:9787 tidemark --upstream https://api.openai.com
+#   docker run --rm -p 8787:8787 -p 9787:9787 -e TIDEMARK_ADMIN_TOKEN=... \
+#       tidemark --upstream https://api.openai.com
 #
 # Inside the container both listeners bind 0.0.0.0 (TIDEMARK_LISTEN /
-# TIDEMARK_ADMIN_LISTEN below); publish the admin port only where you trust
-# the network, or set TIDEMARK_ADMIN_TOKEN.
+# TIDEMARK_ADMIN_LISTEN below), so tidemark starts only with an admin token
+# (TIDEMARK_ADMIN_TOKEN) or TIDEMARK_ADMIN_INSECURE=true (a network you trust).
 
 # ---- build -----------------------------------------------------------------
 # rustc 1.95.0: pgo/'s profile is used only with the compiler it was made
