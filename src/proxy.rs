@@ -1456,7 +1456,11 @@ fn record(state: &Local, api: Api, status: u16, ins: Inspected) -> Box<dyn FnOnc
         }
         let usage = read.observed.usage;
         let ok = (200..300).contains(&status);
-        if ok && f.completed && !usage.has_context() {
+        // A stream that ended in the provider's own error event (overloaded,
+        // `response.failed`) without usage is a failed turn, as a reset is
+        // (SPEC §4): it neither anchors nor loses, and is no missing usage.
+        let failed = read.observed.stream_error && !usage.has_context();
+        if ok && f.completed && !failed && !usage.has_context() {
             s.usage_missing().inc();
         }
         if let Some(real) = usage.total_context {
@@ -1482,7 +1486,7 @@ fn record(state: &Local, api: Api, status: u16, ins: Inspected) -> Box<dyn FnOnc
         if let Some(o) = usage.output {
             s.output_tokens().inc_by(o);
         }
-        let completed = f.completed || usage.has_context();
+        let completed = (f.completed && !failed) || usage.has_context();
         finish_session(
             &state,
             ins.shared,
