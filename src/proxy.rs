@@ -807,8 +807,10 @@ async fn api_request(
         false => None,
     };
     let mut early = None;
+    // The body as JSON: the client's, or its decoding when it came compressed.
+    let plain = decoded.as_ref().unwrap_or(&body);
     if forward_first {
-        let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
+        let edited = usage_injection(state, api, stream, upstream, plain, &view, None);
         let injected = edited.is_some();
         let headers = headers_to_send(&mut parts.headers, injected);
         if let Some(up) = outgoing(&parts, headers, upstream, &body, edited.as_ref(), injected) {
@@ -1008,9 +1010,8 @@ async fn api_request(
                 state,
                 api,
                 stream,
-                encoding,
                 upstream,
-                &body,
+                plain,
                 &view,
                 ins.edited.as_ref(),
             ) {
@@ -1095,9 +1096,27 @@ async fn api_request(
             .get(CONTENT_ENCODING)
             .and_then(|v| v.to_str().ok());
         watch.reader = Some(UsageReader::new(p, p.framing(ct, ins.stream), ce));
-        if ins.injected && ce.is_none() {
-            watch.stripper = Some(crate::inject::UsageStripper::new());
-            rparts.headers.remove(CONTENT_LENGTH);
+        if ins.injected {
+            // The client never sees what the option added, whatever the
+            // upstream's encoding: a stream compressed though asked not to
+            // be is decoded and leaves uncompressed. One in a coding
+            // tidemark cannot read goes as it came.
+            let (strip, decoder) = match ce.map(str::trim) {
+                None | Some("") => (true, None),
+                Some(e) if e.eq_ignore_ascii_case("identity") => (true, None),
+                Some(e) => {
+                    let d = crate::usage::BodyDecoder::new(e);
+                    (d.is_some(), d)
+                }
+            };
+            if strip {
+                watch.stripper = Some(crate::inject::UsageStripper::new());
+                rparts.headers.remove(CONTENT_LENGTH);
+            }
+            if decoder.is_some() {
+                rparts.headers.remove(CONTENT_ENCODING);
+                watch.decoder = decoder;
+            }
         }
     }
     watch.on_finish = Some(record(state, api, status.as_u16(), ins));
@@ -1150,30 +1169,27 @@ async fn alongside<T, S: Future + Unpin>(
 }
 
 /// Usage injection: an OpenAI chat stream gets `include_usage` unless the
-/// client asked, the body is compressed, or the upstream refused. Returns
-/// the edited body; `edited` is a body already changed (a trim), which is
-/// new and parsed again. Untrimmed, the body is the one already viewed: no
-/// second parse of a long history.
-#[allow(clippy::too_many_arguments)]
+/// client asked for usage or the upstream refused the option. Returns the
+/// edited body; `plain` is the body `view` reads (decoded, when it came
+/// compressed: the edit leaves uncompressed, `build_upstream_request` drops
+/// its `Content-Encoding`); `edited` is a body already changed (a trim),
+/// which is new and parsed again. Untrimmed, the body is the one already
+/// viewed: no second parse of a long history.
 fn usage_injection(
     state: &State,
     api: Api,
     stream: bool,
-    encoding: Option<&str>,
     upstream: &Upstream,
-    body: &Bytes,
+    plain: &Bytes,
     view: &RequestView<'_>,
     edited: Option<&Bytes>,
 ) -> Option<Bytes> {
-    let wanted = api == Api::OpenAiChat
-        && stream
-        && state.config.inject_usage
-        && (encoding.is_none() || edited.is_some());
+    let wanted = api == Api::OpenAiChat && stream && state.config.inject_usage;
     if !wanted {
         return None;
     }
     let injected = match edited {
-        None => crate::inject::inject_include_usage(body, view),
+        None => crate::inject::inject_include_usage(plain, view),
         Some(t) => RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v)),
     }?;
     // Asked last: most clients ask for usage themselves (no edit), and the
