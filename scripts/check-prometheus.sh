@@ -258,7 +258,7 @@ def alive():
 # --- names: every metric the dashboard uses is one src/metrics.rs registers
 rs = open(metrics_rs).read()
 families = set(re.findall(r'"(tidemark_[a-z0-9_]+)"', rs))
-histos = set(re.findall(r'histogram\(\s*&r,\s*"(tidemark_[a-z0-9_]+)"', rs))
+histos = set(re.findall(r'histogram\(\s*&?r,\s*"(tidemark_[a-z0-9_]+)"', rs))
 series_names = (families - histos) | {h + s for h in histos for s in ("_bucket", "_sum", "_count")}
 
 dash = json.load(open(dash_path))

@@ -225,6 +225,19 @@ pub fn error_response(
     resp
 }
 
+/// A response tidemark answers itself, before or instead of an upstream's:
+/// counted in `tidemark_requests_total` and timed from `start` in the
+/// duration histogram, as every request is (SPEC §7).
+fn answered(api: &str, model: &str, status: StatusCode, start: Instant) {
+    let m = metrics::get();
+    m.requests
+        .with_label_values(&[api, model, status.as_str()])
+        .inc();
+    m.api(api)
+        .request_duration()
+        .observe(start.elapsed().as_secs_f64());
+}
+
 pub const X_CONTEXT_PROJECTION: HeaderName = HeaderName::from_static("x-context-projection");
 pub const X_CONTEXT_WARNING: HeaderName = HeaderName::from_static("x-context-warning");
 pub const X_CONTEXT_TRIMMED: HeaderName = HeaderName::from_static("x-context-trimmed");
@@ -253,6 +266,8 @@ struct Inspected {
     /// A shared backend is configured but did not answer: projected from
     /// this process's state only (`state=local` on the projection header).
     local_state: bool,
+    /// When the request came in: tidemark's own answers are timed from here.
+    start: Instant,
 }
 
 /// The spine. Every request passes here, top to bottom.
@@ -286,11 +301,15 @@ async fn passthrough(
     let shape = shape_provider(parts.uri.path());
     let body: UpBody = body.boxed_unsync();
     let headers = std::mem::take(&mut parts.headers);
+    let m = metrics::get();
     let up = match build_upstream_request(&parts, headers, upstream, body, false) {
         Some(r) => r,
-        None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
+        None => {
+            let err = ProxyError::ClientBody;
+            answered("other", &m.model_label(None), err.status(), start);
+            return error_response(&err, shape, state.config.max_body_bytes);
+        }
     };
-    let m = metrics::get();
     let sent = Instant::now();
     m.api("other")
         .proxy_overhead()
@@ -315,9 +334,7 @@ async fn passthrough(
                 .with_label_values(&[e.metric_kind()])
                 .inc();
             let err = ProxyError::Upstream(e);
-            m.requests
-                .with_label_values(&["other", &m.model_label(None), err.status().as_str()])
-                .inc();
+            answered("other", &m.model_label(None), err.status(), start);
             error_response(&err, shape, state.config.max_body_bytes)
         }
     }
@@ -744,7 +761,9 @@ async fn api_request(
         .is_some_and(|n| n > cfg.max_body_bytes as u64);
     if too_large {
         m.limits_hit.with_label_values(&["body"]).inc();
-        return error_response(&ProxyError::BodyTooLarge, p, cfg.max_body_bytes);
+        let err = ProxyError::BodyTooLarge;
+        answered(api.as_str(), &m.model_label(None), err.status(), start);
+        return error_response(&err, p, cfg.max_body_bytes);
     }
     let body = match read_body(body, cfg).await {
         Ok(b) => b,
@@ -756,6 +775,7 @@ async fn api_request(
                 }
                 _ => {}
             }
+            answered(api.as_str(), &m.model_label(None), err.status(), start);
             return error_response(&err, p, cfg.max_body_bytes);
         }
     };
@@ -913,6 +933,7 @@ async fn api_request(
         trimmed_body: None,
         shared,
         local_state,
+        start,
     };
     if let Some(u) = ins.begun.projection.util() {
         ins.series.utilization().observe(u);
@@ -1361,7 +1382,9 @@ async fn forward_unread(
     let api = p.api().as_str();
     let headers = std::mem::take(&mut parts.headers);
     let Some(up) = build_upstream_request(&parts, headers, upstream, full(body), false) else {
-        return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
+        let err = ProxyError::ClientBody;
+        answered(api, &m.model_label(None), err.status(), start);
+        return error_response(&err, p, state.config.max_body_bytes);
     };
     let sent = Instant::now();
     m.api(api)
@@ -1389,9 +1412,7 @@ async fn forward_unread(
                 .with_label_values(&[e.metric_kind()])
                 .inc();
             let err = ProxyError::Upstream(e);
-            m.requests
-                .with_label_values(&[api, &m.model_label(None), err.status().as_str()])
-                .inc();
+            answered(api, &m.model_label(None), err.status(), start);
             error_response(&err, p, state.config.max_body_bytes)
         }
     }
@@ -1408,10 +1429,12 @@ fn reject(
     let mut resp = error_response(err, p, state.config.max_body_bytes);
     add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
     let code = resp.status().as_u16();
-    let m = metrics::get();
-    m.requests
-        .with_label_values(&[p.api().as_str(), &ins.series.model, &code.to_string()])
-        .inc();
+    answered(
+        p.api().as_str(),
+        &ins.series.model,
+        resp.status(),
+        ins.start,
+    );
     let Inspected { begun, shared, .. } = ins;
     finish_session(
         state,
@@ -1437,10 +1460,12 @@ fn respond_buffered(
     upstream::strip_hop_by_hop(resp.headers_mut());
     add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
     let code = resp.status().as_u16();
-    metrics::get()
-        .requests
-        .with_label_values(&[p.api().as_str(), &ins.series.model, &code.to_string()])
-        .inc();
+    answered(
+        p.api().as_str(),
+        &ins.series.model,
+        resp.status(),
+        ins.start,
+    );
     let Inspected { begun, shared, .. } = ins;
     finish_session(
         state,

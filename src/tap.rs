@@ -15,6 +15,7 @@ use prometheus::Histogram;
 use tokio::time::Sleep;
 
 use crate::inject::UsageStripper;
+use crate::upstream::UpstreamError;
 use crate::usage::{BodyDecoder, BrokenBody, ReadOutcome, UsageReader};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -164,6 +165,15 @@ pin_project! {
 /// after the stream handed them over) before the reset discards its queue.
 const ERROR_FLUSH_DELAY: Duration = Duration::from_millis(25);
 
+/// An upstream body that failed mid-stream: reset (or TLS), or silent past
+/// `--idle-timeout`, counted by kind as failures before the headers are.
+fn upstream_failed(e: UpstreamError) {
+    crate::metrics::get()
+        .upstream_errors
+        .with_label_values(&[e.metric_kind()])
+        .inc();
+}
+
 #[derive(Debug)]
 struct IdleTimeout;
 impl std::fmt::Display for IdleTimeout {
@@ -250,6 +260,7 @@ impl Body for ObservedBody {
                         if idle.deadline() >= due && idle.poll(cx).is_ready() {
                             *this.done = true;
                             if let Some(mut w) = this.watch.take() {
+                                upstream_failed(UpstreamError::Timeout);
                                 w.finish(false, true, true);
                             }
                             return Poll::Ready(Some(Err(Box::new(IdleTimeout))));
@@ -284,6 +295,7 @@ impl Body for ObservedBody {
                 Poll::Ready(Some(Err(e))) => {
                     *this.done = true;
                     if let Some(mut w) = this.watch.take() {
+                        upstream_failed(UpstreamError::classify(&*e, false));
                         w.finish(false, true, false);
                     }
                     // The error makes the server abort the connection (h1) or
