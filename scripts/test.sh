@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test run, on a fresh machine: installs what tests need beyond
-# cargo (Python SDK clients, redis-server; Prometheus and docker-compose are
+# cargo (Python SDK clients into target/venv, redis-server; Prometheus and docker-compose are
 # installed by scripts/check-prometheus.sh, which the metrics test runs), then
 # runs every test. Used by README and .ci/run.
 set -euo pipefail
@@ -11,14 +11,30 @@ export CARGO_TERM_COLOR=never
 if [ "${CI:-}" = "true" ]; then export PROPTEST_CASES="${PROPTEST_CASES:-2000}"; fi
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_install() {
+    as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
 
-# The official SDKs, as clients of the end-to-end policy tests.
-if ! python3 -c 'import openai, anthropic' 2>/dev/null; then
-    python3 -m pip install --quiet --disable-pip-version-check openai anthropic
+# The official SDKs, as clients of the end-to-end policy tests, in a
+# virtual environment of the project's own: stock Debian 12 and Ubuntu 24.04
+# refuse `pip install` outside one (PEP 668) and come without python3-venv.
+# The tests run this interpreter (TIDEMARK_PYTHON; tests/sdk_python.rs
+# falls back to target/venv/bin/python, then python3).
+VENV=target/venv
+if ! "$VENV/bin/python" -c 'import openai, anthropic' 2>/dev/null; then
+    command -v python3 >/dev/null || apt_install python3
+    if ! python3 -m venv "$VENV" 2>/dev/null; then
+        # Without ensurepip (python3-venv) venv fails half-way: start over.
+        rm -rf "$VENV"
+        apt_install python3-venv
+        python3 -m venv "$VENV"
+    fi
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check openai anthropic
 fi
+export TIDEMARK_PYTHON="$PWD/$VENV/bin/python"
 # A real Redis for the shared-state tests.
 if ! command -v redis-server >/dev/null; then
-    as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    apt_install redis-server
 fi
 
 cargo build --tests --all-targets
