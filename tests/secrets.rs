@@ -465,10 +465,9 @@ async fn no_log_line_or_admin_response_carries_a_credential_or_conversation_text
     );
 }
 
-/// Run the binary with `args` (and env `TIDEMARK_*` cleared of the admin
-/// settings); `None` if it is still running after `secs` (then killed),
-/// else its exit status and stderr.
-async fn run_briefly(args: &[&str], env: &[(&str, &str)], secs: u64) -> Option<(bool, String)> {
+/// The binary with `args` and `env`, the admin settings' variables of this
+/// environment cleared, stderr piped.
+fn tidemark_with(args: &[&str], env: &[(&str, &str)]) -> tokio::process::Child {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidemark"));
     cmd.args(args)
         .env_remove("TIDEMARK_ADMIN_TOKEN")
@@ -480,7 +479,13 @@ async fn run_briefly(args: &[&str], env: &[(&str, &str)], secs: u64) -> Option<(
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let mut child = cmd.spawn().expect("the binary starts");
+    cmd.spawn().expect("the binary starts")
+}
+
+/// Run the binary; `None` if it is still running after `secs` (then
+/// killed), else its exit status and stderr.
+async fn run_briefly(args: &[&str], env: &[(&str, &str)], secs: u64) -> Option<(bool, String)> {
+    let mut child = tidemark_with(args, env);
     let mut stderr = child.stderr.take().unwrap();
     match tokio::time::timeout(Duration::from_secs(secs), child.wait()).await {
         Ok(status) => {
@@ -527,17 +532,7 @@ async fn a_non_loopback_admin_listener_needs_a_token_or_an_explicit_acknowledgem
     for (extra, env) in cases {
         let mut args = vec!["--listen", &listen, "--admin-listen", &admin];
         args.extend_from_slice(extra);
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidemark"));
-        cmd.args(&args)
-            .env_remove("TIDEMARK_ADMIN_TOKEN")
-            .env_remove("TIDEMARK_ADMIN_INSECURE")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true);
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn().expect("the binary starts");
+        let mut child = tidemark_with(&args, env);
         let c = client_h1();
         let served = within(20, async {
             loop {
