@@ -1,21 +1,23 @@
 # tidemark container image.
 #
 #   docker build -t tidemark .
-#   docker run --rm -p 8787:8787 -p 9787:9787 tidemark --upstream https://api.openai.com
+#   docker run --rm -p 8787:8787 -p 9787:9787 -e TIDEMARK_ADMIN_TOKEN=... \
+#       tidemark --upstream https://api.openai.com
 #
 # Inside the container both listeners bind 0.0.0.0 (TIDEMARK_LISTEN /
-# TIDEMARK_ADMIN_LISTEN below); publish the admin port only where you trust
-# the network, or set TIDEMARK_ADMIN_TOKEN.
+# TIDEMARK_ADMIN_LISTEN below), so tidemark starts only with an admin token
+# (TIDEMARK_ADMIN_TOKEN) or TIDEMARK_ADMIN_INSECURE=true (a network you trust).
 
 # ---- build -----------------------------------------------------------------
-# rustc 1.95.0: pgo/'s profile is used only with the compiler it was made
-# with (scripts/rustc-wrapper); another builds correctly, without it.
+# rustc 1.95.0, as rust-toolchain.toml pins: pgo/'s profile is used only
+# with the compiler it was made with (scripts/rustc-wrapper); another builds
+# correctly, without it.
 FROM rust:1.95.0-bookworm AS builder
 WORKDIR /src
 
 # Dependency layer: build every dependency against stub sources so that a
 # change to tidemark's own code does not rebuild the crates.io graph.
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock rust-toolchain.toml ./
 COPY .cargo .cargo
 COPY scripts/rustc-wrapper scripts/rustc-wrapper
 COPY pgo pgo

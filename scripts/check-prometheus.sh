@@ -3,7 +3,7 @@
 #
 #   scripts/check-prometheus.sh 127.0.0.1:9787
 #
-# 1. promtool check config on deploy/prometheus/prometheus.yml
+# 1. promtool check config on deploy/prometheus/prometheus.yml (its admin token file stubbed)
 # 2. docker-compose config -q on docker-compose.yml (python yaml check if compose is unavailable)
 # 3. curl TARGET/metrics | promtool check metrics
 # 4. every metric name the dashboard uses is registered in src/metrics.rs
@@ -95,7 +95,21 @@ if ! "$PY" -c 'import yaml' 2>/dev/null; then
 fi
 
 # ---------------------------------------------------------------- 1. prometheus.yml
-if out=$(promtool check config "$PROM_CFG" 2>&1); then
+# promtool wants the files the config names to exist. The admin token file
+# (a relative credentials_file, read beside the config) is written by
+# docker-compose.yml when Prometheus starts: a placeholder stands in for it
+# beside a copy of the config here.
+mkdir -p "$TMP/deploy"
+cp "$PROM_CFG" "$TMP/deploy/prometheus.yml"
+"$PY" - "$PROM_CFG" "$TMP/deploy" <<'PY'
+import os, sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+for job in cfg.get("scrape_configs", []):
+    f = (job.get("authorization") or {}).get("credentials_file")
+    if f and not os.path.isabs(f):
+        open(os.path.join(sys.argv[2], f), "w").write("placeholder")
+PY
+if out=$(promtool check config "$TMP/deploy/prometheus.yml" 2>&1); then
     pass "promtool check config deploy/prometheus/prometheus.yml"
 else
     fail "promtool check config deploy/prometheus/prometheus.yml"
@@ -154,8 +168,9 @@ else
 fi
 
 # ---------------------------------------------------------------- 4. temp Prometheus config
-# The `tidemark` job of deploy/prometheus/prometheus.yml with only the target and
-# the interval changed, so this test scrapes the way the compose stack does.
+# The `tidemark` job of deploy/prometheus/prometheus.yml with only the target,
+# the interval and the token (TIDEMARK_ADMIN_TOKEN's, or none) changed, so this
+# test scrapes the way the compose stack does.
 if [[ -n "${TIDEMARK_ADMIN_TOKEN:-}" ]]; then
     printf '%s' "$TIDEMARK_ADMIN_TOKEN" >"$TMP/admin-token"
 fi
@@ -170,8 +185,11 @@ job = jobs[0]
 job["static_configs"] = [{"targets": [target]}]
 job["scrape_interval"] = "1s"
 job["scrape_timeout"] = "1s"
+# The tidemark under test has its own token, or none.
 if os.path.exists(token):
     job["authorization"] = {"type": "Bearer", "credentials_file": token}
+else:
+    job.pop("authorization", None)
 cfg["global"] = dict(cfg.get("global") or {}, scrape_interval="1s", evaluation_interval="1s")
 cfg["scrape_configs"] = [job]
 yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
@@ -240,7 +258,7 @@ def alive():
 # --- names: every metric the dashboard uses is one src/metrics.rs registers
 rs = open(metrics_rs).read()
 families = set(re.findall(r'"(tidemark_[a-z0-9_]+)"', rs))
-histos = set(re.findall(r'histogram\(\s*&r,\s*"(tidemark_[a-z0-9_]+)"', rs))
+histos = set(re.findall(r'histogram\(\s*&?r,\s*"(tidemark_[a-z0-9_]+)"', rs))
 series_names = (families - histos) | {h + s for h in histos for s in ("_bucket", "_sum", "_count")}
 
 dash = json.load(open(dash_path))

@@ -124,6 +124,10 @@ pub struct Flags {
     /// If set, admin endpoints other than /healthz require `Authorization: Bearer TOKEN`.
     #[arg(long, env = "TIDEMARK_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Allow a non-loopback --admin-listen without --admin-token (otherwise
+    /// tidemark refuses to start): the admin API lists sessions and drops anchors.
+    #[arg(long, env = "TIDEMARK_ADMIN_INSECURE")]
+    pub admin_insecure: bool,
     /// Default upstream; may carry a path prefix.
     #[arg(
         long,
@@ -443,6 +447,16 @@ impl Flags {
                     .to_string(),
             );
         }
+        let admin_token = self.admin_token.filter(|t| !t.is_empty());
+        if !self.admin_listen.ip().is_loopback() && admin_token.is_none() && !self.admin_insecure {
+            return Err(format!(
+                "--admin-listen {} is not a loopback address and --admin-token is not set: \
+                 anyone who reaches it could list sessions and drop anchors; \
+                 set --admin-token (TIDEMARK_ADMIN_TOKEN) or acknowledge with --admin-insecure \
+                 (TIDEMARK_ADMIN_INSECURE=true)",
+                self.admin_listen
+            ));
+        }
         if self.state != "memory"
             && !self.state.starts_with("redis://")
             && !self.state.starts_with("rediss://")
@@ -455,7 +469,7 @@ impl Flags {
         Ok(Config {
             listen: self.listen,
             admin_listen: self.admin_listen,
-            admin_token: self.admin_token.filter(|t| !t.is_empty()),
+            admin_token,
             upstream,
             routes,
             upstream_ca: self.upstream_ca,

@@ -9,9 +9,12 @@ use crate::inspect::RequestView;
 use crate::provider::{CHOICES, USAGE};
 use crate::sse::MAX_EVENT_BYTES;
 
-/// The request body with `stream_options.include_usage: true` added by a
-/// minimal edit (every other byte unchanged), or `None` when the client set
-/// `include_usage` itself (either way) or `stream_options` is not an object.
+/// The request body with `stream_options.include_usage: true` set by a
+/// minimal edit (every other byte unchanged): added when absent, its value
+/// replaced when `false` or `null` (an opt-out is treated as absent, SPEC
+/// §2: the client still gets the stream it asked for, since what the option
+/// adds is stripped). `None` when the client asked for usage itself or
+/// `stream_options` is not an object.
 pub fn inject_include_usage(body: &[u8], req: &RequestView<'_>) -> Option<Vec<u8>> {
     let (at, text): (usize, &[u8]) = match req.raw("stream_options") {
         None => match req.fields().last() {
@@ -36,10 +39,19 @@ pub fn inject_include_usage(body: &[u8], req: &RequestView<'_>) -> Option<Vec<u8
         Some(raw) if raw.get() == r#"{"include_usage":true}"# => return None,
         Some(raw) => {
             let inner = RequestView::parse(raw.get().as_bytes())?;
-            if inner.raw("include_usage").is_some() {
-                return None;
-            }
             let base = req.span(raw).start;
+            if let Some(v) = inner.raw("include_usage") {
+                if !matches!(v.get(), "false" | "null") {
+                    return None;
+                }
+                // The opt-out's value becomes `true`, nothing else moves.
+                let at = inner.span(v);
+                let mut out = Vec::with_capacity(body.len() + 1);
+                out.extend_from_slice(&body[..base + at.start]);
+                out.extend_from_slice(b"true");
+                out.extend_from_slice(&body[base + at.end..]);
+                return Some(out);
+            }
             match inner.fields().last() {
                 Some((_, last)) => (base + inner.span(last).end, b",\"include_usage\":true"),
                 None => (base + 1, b"\"include_usage\":true"),
@@ -277,9 +289,19 @@ mod tests {
             Some(r#" {"stream_options":{"include_usage":true} } "#)
         );
         assert_eq!(
-            inject(r#"{"stream_options":{"include_usage":false}}"#),
-            None
+            inject(r#"{"stream_options":{"include_usage":false}}"#).as_deref(),
+            Some(r#"{"stream_options":{"include_usage":true}}"#)
         );
+        assert_eq!(
+            inject("{\"stream\":true, \"stream_options\": {\"include_usage\" :  false ,\"x\":1}}")
+                .as_deref(),
+            Some("{\"stream\":true, \"stream_options\": {\"include_usage\" :  true ,\"x\":1}}")
+        );
+        assert_eq!(
+            inject(r#"{"stream_options":{"x":[false],"include_usage":null}}"#).as_deref(),
+            Some(r#"{"stream_options":{"x":[false],"include_usage":true}}"#)
+        );
+        assert_eq!(inject(r#"{"stream_options":{"include_usage":0}}"#), None);
         assert_eq!(inject(r#"{"stream_options":{"include_usage":true}}"#), None);
         assert_eq!(inject(r#"{"stream_options":7}"#), None);
     }

@@ -55,7 +55,9 @@
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
 //!    that cannot carry usage, and builds for the provider only the members
 //!    it reads (`Provider::reads`), stepping over the rest by structure
-//!    alone (`pick.rs`).
+//!    alone (`pick.rs`). An injected stream loses on its way what the
+//!    option added (`inject.rs`), decoded first when the upstream
+//!    compressed it anyway (`usage.rs::BodyDecoder`).
 //! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
 //!    hang-up, the session is anchored (or the loss is made loud) and the drift
 //!    is exported (`metrics.rs`, every metric name in one file).

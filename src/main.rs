@@ -58,7 +58,18 @@ async fn wait_signal() {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
+    match serve().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line, cause chain included: what was wrong and what to do.
+            eprintln!("tidemark: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_logs(cli.flags.log_format);
     match cli.command {

@@ -44,11 +44,30 @@ pub struct Metrics {
     pub up: Gauge,
     /// Open proxied WebSockets, by `api` (`openai-responses`, or `none`).
     pub websockets: IntGaugeVec,
+    /// Every family: (name, help, type), so that one with no series yet
+    /// (the `[api, model]` families before a request) is still exported.
+    families: Vec<(&'static str, &'static str, &'static str)>,
     /// Model label values seen, each with its series per API.
     models: Mutex<HashMap<String, Vec<&'static Series>>>,
     /// Per-API handles into the `[api]` families, by [`API_LABELS`] index.
     apis: [ApiSeries; API_LABELS.len()],
 }
+
+/// Every `kind` of `tidemark_upstream_errors_total`
+/// (`UpstreamError::metric_kind`; a failure mid-stream is a `reset`, or a
+/// `timeout` when `--idle-timeout` ended it).
+pub const UPSTREAM_ERROR_KINDS: [&str; 4] = ["connect", "timeout", "reset", "tls"];
+
+/// Every `limit` of `tidemark_limits_hit_total`: a body over
+/// `--max-body-bytes`, a body or head slower than `--header-read-timeout`,
+/// a head over `--max-header-bytes`, `--max-connections` reached.
+pub const LIMITS: [&str; 5] = [
+    "body",
+    "body_timeout",
+    "header_timeout",
+    "headers",
+    "connections",
+];
 
 /// Every `api` label value: the five APIs' names and `other`.
 pub const API_LABELS: [&str; 6] = [
@@ -162,190 +181,212 @@ const UTILIZATION: &[f64] = &[
     0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2,
 ];
 
-fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+/// The registry and the list of its families, filled as they are registered.
+struct Families {
+    registry: Registry,
+    list: Vec<(&'static str, &'static str, &'static str)>,
+}
+
+impl Families {
+    fn add<C: prometheus::core::Collector + Clone + 'static>(
+        &mut self,
+        c: C,
+        name: &'static str,
+        help: &'static str,
+        ty: &'static str,
+    ) -> C {
+        self.registry
+            .register(Box::new(c.clone()))
+            .expect("metric registered once");
+        self.list.push((name, help, ty));
+        c
+    }
+}
+
+fn counter(
+    r: &mut Families,
+    name: &'static str,
+    help: &'static str,
+    labels: &[&str],
+) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-    r.register(Box::new(c.clone()))
-        .expect("metric registered once");
-    c
+    r.add(c, name, help, "counter")
 }
-fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+fn gauge(r: &mut Families, name: &'static str, help: &'static str, labels: &[&str]) -> GaugeVec {
     let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-    r.register(Box::new(g.clone()))
-        .expect("metric registered once");
-    g
+    r.add(g, name, help, "gauge")
 }
-fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str], b: &[f64]) -> HistogramVec {
+fn histogram(
+    r: &mut Families,
+    name: &'static str,
+    help: &'static str,
+    labels: &[&str],
+    b: &[f64],
+) -> HistogramVec {
     let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(b.to_vec()), labels)
         .expect("valid metric");
-    r.register(Box::new(h.clone()))
-        .expect("metric registered once");
-    h
+    r.add(h, name, help, "histogram")
 }
 
 impl Metrics {
     fn new() -> Self {
-        let r = Registry::new();
+        let mut r = Families {
+            registry: Registry::new(),
+            list: Vec::new(),
+        };
+        let r = &mut r;
         let am = &["api", "model"];
-        let sessions = IntGaugeVec::new(
-            Opts::new("tidemark_sessions", "sessions held, by state"),
-            &["state"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(sessions.clone()))
-            .expect("metric registered once");
-        let state_errors = IntCounter::new(
+        let (name, help) = ("tidemark_sessions", "sessions held, by state");
+        let sessions = IntGaugeVec::new(Opts::new(name, help), &["state"]).expect("valid metric");
+        let sessions = r.add(sessions, name, help, "gauge");
+        let (name, help) = (
             "tidemark_state_backend_errors_total",
             "state backend (redis) operations that failed; requests fell back to local state",
-        )
-        .expect("valid metric");
-        r.register(Box::new(state_errors.clone()))
-            .expect("metric registered once");
-        let up = Gauge::new("tidemark_up", "1 while the process serves").expect("valid metric");
-        r.register(Box::new(up.clone()))
-            .expect("metric registered once");
+        );
+        let state_errors = IntCounter::new(name, help).expect("valid metric");
+        let state_errors = r.add(state_errors, name, help, "counter");
+        let (name, help) = ("tidemark_up", "1 while the process serves");
+        let up = Gauge::new(name, help).expect("valid metric");
+        let up = r.add(up, name, help, "gauge");
         up.set(1.0);
-        let websockets = IntGaugeVec::new(
-            Opts::new("tidemark_websockets", "open proxied WebSockets"),
-            &["api"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(websockets.clone()))
-            .expect("metric registered once");
+        let (name, help) = ("tidemark_websockets", "open proxied WebSockets");
+        let websockets = IntGaugeVec::new(Opts::new(name, help), &["api"]).expect("valid metric");
+        let websockets = r.add(websockets, name, help, "gauge");
         // Both values from start-up, at zero.
         for api in ["openai-responses", "none"] {
             websockets.with_label_values(&[api]).set(0);
         }
-        Metrics {
+        let m = Metrics {
             requests: counter(
-                &r,
+                r,
                 "tidemark_requests_total",
                 "requests by final status",
                 &["api", "model", "code"],
             ),
             request_duration: histogram(
-                &r,
+                r,
                 "tidemark_request_duration_seconds",
                 "request start to last byte",
                 &["api"],
                 LATENCY,
             ),
             ttfb: histogram(
-                &r,
+                r,
                 "tidemark_time_to_first_byte_seconds",
                 "request start to first body byte to client",
                 &["api"],
                 LATENCY,
             ),
             proxy_overhead: histogram(
-                &r,
+                r,
                 "tidemark_proxy_overhead_seconds",
                 "time spent in tidemark before the upstream request is sent",
                 &["api"],
                 OVERHEAD,
             ),
             prompt_real: counter(
-                &r,
+                r,
                 "tidemark_prompt_tokens_real_total",
                 "provider-reported prompt tokens",
                 am,
             ),
             prompt_estimated: counter(
-                &r,
+                r,
                 "tidemark_prompt_tokens_estimated_total",
                 "local estimates of the same requests",
                 am,
             ),
             cached_prompt: counter(
-                &r,
+                r,
                 "tidemark_cached_prompt_tokens_total",
                 "of the real prompt tokens, how many were cache reads",
                 am,
             ),
             output_tokens: counter(
-                &r,
+                r,
                 "tidemark_output_tokens_total",
                 "provider-reported output tokens",
                 am,
             ),
             estimate_drift: gauge(
-                &r,
+                r,
                 "tidemark_estimate_drift_ratio",
                 "real / estimate, recent",
                 am,
             ),
             projection_drift: gauge(
-                &r,
+                r,
                 "tidemark_projection_drift_ratio",
                 "real / projection, recent",
                 am,
             ),
             estimate_error: histogram(
-                &r,
+                r,
                 "tidemark_estimate_error_ratio",
                 "(estimate - real) / real",
                 am,
                 ERROR_RATIO,
             ),
             projection_error: histogram(
-                &r,
+                r,
                 "tidemark_projection_error_ratio",
                 "(projection - real) / real",
                 am,
                 ERROR_RATIO,
             ),
             utilization: histogram(
-                &r,
+                r,
                 "tidemark_context_utilization",
                 "projection / window",
                 am,
                 UTILIZATION,
             ),
             sessions,
-            anchor_lost: counter(&r, "tidemark_anchor_lost_total", "anchor losses", am),
+            anchor_lost: counter(r, "tidemark_anchor_lost_total", "anchor losses", am),
             usage_missing: counter(
-                &r,
+                r,
                 "tidemark_usage_missing_total",
                 "2xx responses without usage",
                 am,
             ),
             compactions: counter(
-                &r,
+                r,
                 "tidemark_compactions_detected_total",
                 "shrinks detected",
                 am,
             ),
             over_budget: counter(
-                &r,
+                r,
                 "tidemark_over_budget_total",
                 "over-budget requests by action",
                 &["api", "model", "action"],
             ),
             trimmed_tokens: counter(
-                &r,
+                r,
                 "tidemark_trimmed_tokens_total",
                 "tokens removed by trims (projected)",
                 am,
             ),
             usage_injected: counter(
-                &r,
+                r,
                 "tidemark_usage_injected_total",
                 "usage injections",
                 &["api"],
             ),
             upstream_errors: counter(
-                &r,
+                r,
                 "tidemark_upstream_errors_total",
                 "upstream failures by kind",
                 &["kind"],
             ),
             usage_parse_errors: counter(
-                &r,
+                r,
                 "tidemark_usage_parse_errors_total",
                 "malformed usage or stream",
                 &["api"],
             ),
             limits_hit: counter(
-                &r,
+                r,
                 "tidemark_limits_hit_total",
                 "requests refused by a tidemark limit",
                 &["limit"],
@@ -353,10 +394,28 @@ impl Metrics {
             state_errors,
             up,
             websockets,
-            registry: r,
+            registry: r.registry.clone(),
+            families: std::mem::take(&mut r.list),
             models: Mutex::new(HashMap::new()),
             apis: API_LABELS.map(ApiSeries::new),
+        };
+        // SPEC §7: series labelled by `api`, `kind` or `limit` alone exist
+        // from start-up, at zero for each value (a rate over a counter that
+        // appears with its first event misses that event).
+        for api in API_LABELS {
+            m.request_duration.with_label_values(&[api]);
+            m.ttfb.with_label_values(&[api]);
+            m.proxy_overhead.with_label_values(&[api]);
+            m.usage_injected.with_label_values(&[api]);
+            m.usage_parse_errors.with_label_values(&[api]);
         }
+        for kind in UPSTREAM_ERROR_KINDS {
+            m.upstream_errors.with_label_values(&[kind]);
+        }
+        for limit in LIMITS {
+            m.limits_hit.with_label_values(&[limit]);
+        }
+        m
     }
 
     /// The handles of one `api` label value (one of [`API_LABELS`]; any
@@ -418,10 +477,20 @@ impl Metrics {
         s
     }
 
-    /// The Prometheus text exposition of every family.
+    /// The Prometheus text exposition of every family. A family with no
+    /// series yet (one labelled by model, before its first request) is
+    /// shown by its `HELP` and `TYPE` lines, so every name is there from
+    /// start-up (SPEC §7).
     pub fn render(&self) -> Vec<u8> {
+        use std::io::Write;
         let mut out = Vec::with_capacity(16 * 1024);
-        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        let gathered = self.registry.gather();
+        let _ = TextEncoder::new().encode(&gathered, &mut out);
+        for (name, help, ty) in &self.families {
+            if !gathered.iter().any(|f| f.name() == *name) {
+                let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} {ty}\n");
+            }
+        }
         out
     }
 }
@@ -465,6 +534,14 @@ pub fn observe(h: &HistogramVec, labels: &[&str], v: f64) {
 mod tests {
     use super::*;
     use crate::provider::Api;
+
+    #[test]
+    fn every_upstream_error_kind_starts_at_zero() {
+        use crate::upstream::UpstreamError::*;
+        for e in [Connect, Tls, Reset, Timeout] {
+            assert!(UPSTREAM_ERROR_KINDS.contains(&e.metric_kind()), "{e:?}");
+        }
+    }
 
     #[test]
     fn every_api_has_its_own_handles() {

@@ -240,6 +240,19 @@ pub fn error_response(
     resp
 }
 
+/// A response tidemark answers itself, before or instead of an upstream's:
+/// counted in `tidemark_requests_total` and timed from `start` in the
+/// duration histogram, as every request is (SPEC §7).
+fn answered(api: &str, model: &str, status: StatusCode, start: Instant) {
+    let m = metrics::get();
+    m.requests
+        .with_label_values(&[api, model, status.as_str()])
+        .inc();
+    m.api(api)
+        .request_duration()
+        .observe(start.elapsed().as_secs_f64());
+}
+
 pub const X_CONTEXT_PROJECTION: HeaderName = HeaderName::from_static("x-context-projection");
 pub const X_CONTEXT_WARNING: HeaderName = HeaderName::from_static("x-context-warning");
 pub const X_CONTEXT_TRIMMED: HeaderName = HeaderName::from_static("x-context-trimmed");
@@ -268,6 +281,8 @@ struct Inspected {
     /// A shared backend is configured but did not answer: projected from
     /// this process's state only (`state=local` on the projection header).
     local_state: bool,
+    /// When the request came in: tidemark's own answers are timed from here.
+    start: Instant,
 }
 
 /// The spine. Every request passes here, top to bottom.
@@ -304,11 +319,15 @@ async fn passthrough(
     let shape = shape_provider(parts.uri.path());
     let body: UpBody = body.boxed_unsync();
     let headers = std::mem::take(&mut parts.headers);
+    let m = metrics::get();
     let up = match build_upstream_request(&parts, headers, upstream, body, false) {
         Some(r) => r,
-        None => return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes),
+        None => {
+            let err = ProxyError::ClientBody;
+            answered("other", &m.model_label(None), err.status(), start);
+            return error_response(&err, shape, state.config.max_body_bytes);
+        }
     };
-    let m = metrics::get();
     let sent = Instant::now();
     m.api("other")
         .proxy_overhead()
@@ -333,9 +352,7 @@ async fn passthrough(
                 .with_label_values(&[e.metric_kind()])
                 .inc();
             let err = ProxyError::Upstream(e);
-            m.requests
-                .with_label_values(&["other", &m.model_label(None), err.status().as_str()])
-                .inc();
+            answered("other", &m.model_label(None), err.status(), start);
             error_response(&err, shape, state.config.max_body_bytes)
         }
     }
@@ -762,7 +779,9 @@ async fn api_request(
         .is_some_and(|n| n > cfg.max_body_bytes as u64);
     if too_large {
         m.limits_hit.with_label_values(&["body"]).inc();
-        return error_response(&ProxyError::BodyTooLarge, p, cfg.max_body_bytes);
+        let err = ProxyError::BodyTooLarge;
+        answered(api.as_str(), &m.model_label(None), err.status(), start);
+        return error_response(&err, p, cfg.max_body_bytes);
     }
     let body = match read_body(body, cfg).await {
         Ok(b) => b,
@@ -774,6 +793,7 @@ async fn api_request(
                 }
                 _ => {}
             }
+            answered(api.as_str(), &m.model_label(None), err.status(), start);
             return error_response(&err, p, cfg.max_body_bytes);
         }
     };
@@ -826,8 +846,10 @@ async fn api_request(
         false => None,
     };
     let mut early = None;
+    // The body as JSON: the client's, or its decoding when it came compressed.
+    let plain = decoded.as_ref().unwrap_or(&body);
     if forward_first {
-        let edited = usage_injection(state, api, stream, encoding, upstream, &body, &view, None);
+        let edited = usage_injection(state, api, stream, upstream, plain, &view, None);
         let injected = edited.is_some();
         let headers = headers_to_send(&mut parts.headers, injected);
         if let Some(up) = outgoing(&parts, headers, upstream, &body, edited.as_ref(), injected) {
@@ -922,6 +944,7 @@ async fn api_request(
         trimmed_body: None,
         shared,
         local_state,
+        start,
     };
 
     // policy: session budget, then the context budget.
@@ -1007,9 +1030,8 @@ async fn api_request(
                 state,
                 api,
                 stream,
-                encoding,
                 upstream,
-                &body,
+                plain,
                 &view,
                 ins.edited.as_ref(),
             ) {
@@ -1094,9 +1116,27 @@ async fn api_request(
             .get(CONTENT_ENCODING)
             .and_then(|v| v.to_str().ok());
         watch.reader = Some(UsageReader::new(p, p.framing(ct, ins.stream), ce));
-        if ins.injected && ce.is_none() {
-            watch.stripper = Some(crate::inject::UsageStripper::new());
-            rparts.headers.remove(CONTENT_LENGTH);
+        if ins.injected {
+            // The client never sees what the option added, whatever the
+            // upstream's encoding: a stream compressed though asked not to
+            // be is decoded and leaves uncompressed. One in a coding
+            // tidemark cannot read goes as it came.
+            let (strip, decoder) = match ce.map(str::trim) {
+                None | Some("") => (true, None),
+                Some(e) if e.eq_ignore_ascii_case("identity") => (true, None),
+                Some(e) => {
+                    let d = crate::usage::BodyDecoder::new(e);
+                    (d.is_some(), d)
+                }
+            };
+            if strip {
+                watch.stripper = Some(crate::inject::UsageStripper::new());
+                rparts.headers.remove(CONTENT_LENGTH);
+            }
+            if decoder.is_some() {
+                rparts.headers.remove(CONTENT_ENCODING);
+                watch.decoder = decoder;
+            }
         }
     }
     watch.on_finish = Some(recorder(state, api, status.as_u16(), ins));
@@ -1274,30 +1314,27 @@ async fn alongside<T, S: Future + Unpin>(
 }
 
 /// Usage injection: an OpenAI chat stream gets `include_usage` unless the
-/// client asked, the body is compressed, or the upstream refused. Returns
-/// the edited body; `edited` is a body already changed (a trim), which is
-/// new and parsed again. Untrimmed, the body is the one already viewed: no
-/// second parse of a long history.
-#[allow(clippy::too_many_arguments)]
+/// client asked for usage or the upstream refused the option. Returns the
+/// edited body; `plain` is the body `view` reads (decoded, when it came
+/// compressed: the edit leaves uncompressed, `build_upstream_request` drops
+/// its `Content-Encoding`); `edited` is a body already changed (a trim),
+/// which is new and parsed again. Untrimmed, the body is the one already
+/// viewed: no second parse of a long history.
 fn usage_injection(
     state: &State,
     api: Api,
     stream: bool,
-    encoding: Option<&str>,
     upstream: &Upstream,
-    body: &Bytes,
+    plain: &Bytes,
     view: &RequestView<'_>,
     edited: Option<&Bytes>,
 ) -> Option<Bytes> {
-    let wanted = api == Api::OpenAiChat
-        && stream
-        && state.config.inject_usage
-        && (encoding.is_none() || edited.is_some());
+    let wanted = api == Api::OpenAiChat && stream && state.config.inject_usage;
     if !wanted {
         return None;
     }
     let injected = match edited {
-        None => crate::inject::inject_include_usage(body, view),
+        None => crate::inject::inject_include_usage(plain, view),
         Some(t) => RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v)),
     }?;
     // Asked last: most clients ask for usage themselves (no edit), and the
@@ -1468,7 +1505,9 @@ async fn forward_unread(
     let api = p.api().as_str();
     let headers = std::mem::take(&mut parts.headers);
     let Some(up) = build_upstream_request(&parts, headers, upstream, full(body), false) else {
-        return error_response(&ProxyError::ClientBody, p, state.config.max_body_bytes);
+        let err = ProxyError::ClientBody;
+        answered(api, &m.model_label(None), err.status(), start);
+        return error_response(&err, p, state.config.max_body_bytes);
     };
     let sent = Instant::now();
     m.api(api)
@@ -1496,9 +1535,7 @@ async fn forward_unread(
                 .with_label_values(&[e.metric_kind()])
                 .inc();
             let err = ProxyError::Upstream(e);
-            m.requests
-                .with_label_values(&[api, &m.model_label(None), err.status().as_str()])
-                .inc();
+            answered(api, &m.model_label(None), err.status(), start);
             error_response(&err, p, state.config.max_body_bytes)
         }
     }
@@ -1515,10 +1552,12 @@ fn reject(
     let mut resp = error_response(err, p, state.config.max_body_bytes);
     add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
     let code = resp.status().as_u16();
-    let m = metrics::get();
-    m.requests
-        .with_label_values(&[p.api().as_str(), &ins.series.model, &code.to_string()])
-        .inc();
+    answered(
+        p.api().as_str(),
+        &ins.series.model,
+        resp.status(),
+        ins.start,
+    );
     let Inspected { begun, shared, .. } = ins;
     finish_session(
         state,
@@ -1544,10 +1583,12 @@ fn respond_buffered(
     upstream::strip_hop_by_hop(resp.headers_mut());
     add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
     let code = resp.status().as_u16();
-    metrics::get()
-        .requests
-        .with_label_values(&[p.api().as_str(), &ins.series.model, &code.to_string()])
-        .inc();
+    answered(
+        p.api().as_str(),
+        &ins.series.model,
+        resp.status(),
+        ins.start,
+    );
     let Inspected { begun, shared, .. } = ins;
     finish_session(
         state,
@@ -1614,7 +1655,11 @@ pub(crate) fn record(
 ) {
     let usage = observed.usage;
     let ok = (200..300).contains(&status);
-    if ok && completed && !usage.has_context() {
+    // A stream that ended in the provider's own error event (overloaded,
+    // `response.failed`) without usage is a failed turn, as a reset is
+    // (SPEC §4): it neither anchors nor loses, and is no missing usage.
+    let failed = observed.stream_error && !usage.has_context();
+    if ok && completed && !failed && !usage.has_context() {
         s.usage_missing().inc();
     }
     if let Some(real) = usage.total_context {
@@ -1639,7 +1684,7 @@ pub(crate) fn record(
     if let Some(o) = usage.output {
         s.output_tokens().inc_by(o);
     }
-    let completed = completed || usage.has_context();
+    let completed = (completed && !failed) || usage.has_context();
     finish_session(
         state,
         shared,

@@ -278,7 +278,8 @@ pub struct Outcome {
     pub status: u16,
     pub usage: Usage,
     pub response_id: Option<String>,
-    /// The response ended normally (not reset mid-stream).
+    /// The response ended normally: not reset mid-stream, and not a 2xx
+    /// stream that ended in the provider's error event without usage.
     pub completed: bool,
 }
 

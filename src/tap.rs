@@ -15,7 +15,8 @@ use prometheus::Histogram;
 use tokio::time::Sleep;
 
 use crate::inject::UsageStripper;
-use crate::usage::{ReadOutcome, UsageReader};
+use crate::upstream::UpstreamError;
+use crate::usage::{BodyDecoder, BrokenBody, ReadOutcome, UsageReader};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type InnerBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -41,6 +42,9 @@ pub struct Watch {
     pub duration: Option<&'static Histogram>,
     pub reader: Option<UsageReader>,
     pub stripper: Option<UsageStripper>,
+    /// With the stripper, on a compressed upstream body: the client gets
+    /// it decoded (the stripper must see the stream as sent).
+    pub decoder: Option<BodyDecoder>,
     pub on_finish: Option<Box<dyn FnOnce(Finish) + Send>>,
     first_byte: bool,
     bytes: u64,
@@ -54,10 +58,45 @@ impl Watch {
             duration: None,
             reader: None,
             stripper: None,
+            decoder: None,
             on_finish: None,
             first_byte: false,
             bytes: 0,
         }
+    }
+
+    /// What the client gets of an upstream chunk when tidemark rewrites the
+    /// body (a stripper, perhaps behind a decoder); `ended`: it is the
+    /// last. A broken coding ends the body: what decoded before it is
+    /// returned with the error.
+    fn rewrite(&mut self, chunk: &[u8], ended: bool) -> (BytesMut, Option<BrokenBody>) {
+        let mut broken = None;
+        let mut decoded = Vec::new();
+        let plain: &[u8] = match self.decoder.as_mut() {
+            Some(d) => {
+                let r = d.push(chunk, &mut decoded).and_then(|()| {
+                    if ended {
+                        d.finish(&mut decoded)
+                    } else {
+                        Ok(())
+                    }
+                });
+                broken = r.err();
+                &decoded
+            }
+            None => chunk,
+        };
+        let mut out = BytesMut::new();
+        match self.stripper.as_mut() {
+            Some(s) => {
+                s.push(plain, &mut out);
+                if ended || broken.is_some() {
+                    s.finish(&mut out);
+                }
+            }
+            None => out.extend_from_slice(plain),
+        }
+        (out, broken)
     }
 
     fn finish(&mut self, completed: bool, upstream_failed: bool, idle_timeout: bool) {
@@ -125,6 +164,15 @@ pin_project! {
 /// server writes them out (h2 frames are written by the connection task,
 /// after the stream handed them over) before the reset discards its queue.
 const ERROR_FLUSH_DELAY: Duration = Duration::from_millis(25);
+
+/// An upstream body that failed mid-stream: reset (or TLS), or silent past
+/// `--idle-timeout`, counted by kind as failures before the headers are.
+fn upstream_failed(e: UpstreamError) {
+    crate::metrics::get()
+        .upstream_errors
+        .with_label_values(&[e.metric_kind()])
+        .inc();
+}
 
 #[derive(Debug)]
 struct IdleTimeout;
@@ -212,6 +260,7 @@ impl Body for ObservedBody {
                         if idle.deadline() >= due && idle.poll(cx).is_ready() {
                             *this.done = true;
                             if let Some(mut w) = this.watch.take() {
+                                upstream_failed(UpstreamError::Timeout);
                                 w.finish(false, true, true);
                             }
                             return Poll::Ready(Some(Err(Box::new(IdleTimeout))));
@@ -222,12 +271,20 @@ impl Body for ObservedBody {
                 Poll::Ready(None) => {
                     *this.done = true;
                     if let Some(mut w) = this.watch.take() {
-                        if let Some(s) = w.stripper.as_mut() {
-                            let mut out = BytesMut::new();
-                            s.finish(&mut out);
+                        if w.stripper.is_some() {
+                            let (out, broken) = w.rewrite(&[], true);
+                            w.bytes += out.len() as u64;
+                            w.finish(broken.is_none(), broken.is_some(), false);
+                            if let Some(e) = broken {
+                                *this.deferred = Some(Box::new(e));
+                                let at = tokio::time::Instant::now() + ERROR_FLUSH_DELAY;
+                                this.idle.set(Some(tokio::time::sleep_until(at)));
+                                if out.is_empty() {
+                                    cx.waker().wake_by_ref();
+                                    return Poll::Pending;
+                                }
+                            }
                             if !out.is_empty() {
-                                w.bytes += out.len() as u64;
-                                w.finish(true, false, false);
                                 return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                             }
                         }
@@ -238,6 +295,7 @@ impl Body for ObservedBody {
                 Poll::Ready(Some(Err(e))) => {
                     *this.done = true;
                     if let Some(mut w) = this.watch.take() {
+                        upstream_failed(UpstreamError::classify(&*e, false));
                         w.finish(false, true, false);
                     }
                     // The error makes the server abort the connection (h1) or
@@ -272,19 +330,38 @@ impl Body for ObservedBody {
                                 r.feed_bytes(&data);
                             }
                             let ended = this.inner.is_end_stream();
-                            let data = match w.stripper.as_mut() {
-                                Some(s) => {
-                                    let mut out = BytesMut::new();
-                                    s.push(&data, &mut out);
-                                    if ended {
-                                        s.finish(&mut out);
+                            let data = match w.stripper.is_some() {
+                                true => {
+                                    let (out, broken) = w.rewrite(&data, ended);
+                                    if let Some(e) = broken {
+                                        // Undecodable: what came before it
+                                        // goes out, then the body fails as
+                                        // on an upstream error.
+                                        *this.done = true;
+                                        w.bytes += out.len() as u64;
+                                        if let Some(mut w) = this.watch.take() {
+                                            w.finish(false, true, false);
+                                        }
+                                        *this.deferred = Some(Box::new(e));
+                                        let at = tokio::time::Instant::now() + ERROR_FLUSH_DELAY;
+                                        match this.idle.as_mut().as_pin_mut() {
+                                            Some(idle) => idle.reset(at),
+                                            None => {
+                                                this.idle.set(Some(tokio::time::sleep_until(at)))
+                                            }
+                                        }
+                                        if out.is_empty() {
+                                            cx.waker().wake_by_ref();
+                                            return Poll::Pending;
+                                        }
+                                        return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                                     }
                                     if out.is_empty() && !ended {
                                         continue;
                                     }
                                     out.freeze()
                                 }
-                                None => data,
+                                false => data,
                             };
                             // One clock read serves the first byte and the
                             // end (a small response is both at once).

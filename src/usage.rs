@@ -29,21 +29,279 @@ pub struct ReadOutcome {
 
 /// Watches one response body go by.
 pub struct UsageReader {
-    decode: Decode,
+    decode: Decode<Sink>,
 }
 
-/// The content decoder in front of the framing sink.
-enum Decode {
-    Identity(Sink),
-    Gzip(Box<flate2::write::MultiGzDecoder<Sink>>),
+/// An HTTP content coding undone as the bytes pass: what is written in
+/// encoded leaves decoded into `W`, chunk by chunk, never held whole.
+pub enum Decode<W: StandIn> {
+    Identity(W),
+    Gzip(Box<flate2::write::MultiGzDecoder<W>>),
     /// HTTP `deflate` before its first two bytes tell zlib from raw deflate.
-    DeflateSniff(Vec<u8>, Sink),
-    Zlib(Box<flate2::write::ZlibDecoder<Sink>>),
-    RawDeflate(Box<flate2::write::DeflateDecoder<Sink>>),
-    Brotli(Box<brotli_decompressor::DecompressorWriter<Sink>>),
-    Zstd(Box<zstd::stream::write::Decoder<'static, Sink>>),
-    /// An encoding tidemark cannot read: the body is forwarded, usage unknown.
-    Unreadable(Sink),
+    DeflateSniff(Vec<u8>, W),
+    Zlib(Box<flate2::write::ZlibDecoder<W>>),
+    RawDeflate(Box<flate2::write::DeflateDecoder<W>>),
+    Brotli(Box<brotli_decompressor::DecompressorWriter<W>>),
+    Zstd(Box<zstd::stream::write::Decoder<'static, W>>),
+    /// An encoding tidemark cannot read.
+    Unreadable(W),
+}
+
+/// A writer that can leave a stand-in in its place for the moment a
+/// [`Decode`] changes shape (`deflate`, once its first bytes are in).
+pub trait StandIn: Write {
+    fn stand_in(&self) -> Self;
+}
+
+impl<W: StandIn> Decode<W> {
+    /// The decoder for a `Content-Encoding` value (none, `identity`, `gzip`,
+    /// `x-gzip`, `deflate`, `br`, `zstd`); any other is [`Decode::Unreadable`].
+    pub fn new(content_encoding: Option<&str>, w: W) -> Self {
+        let enc = content_encoding
+            .map(|e| e.trim().to_ascii_lowercase())
+            .unwrap_or_default();
+        match enc.as_str() {
+            "" | "identity" => Decode::Identity(w),
+            "gzip" | "x-gzip" => Decode::Gzip(Box::new(flate2::write::MultiGzDecoder::new(w))),
+            "deflate" => Decode::DeflateSniff(Vec::new(), w),
+            "br" => Decode::Brotli(Box::new(brotli_decompressor::DecompressorWriter::new(
+                w, 8192,
+            ))),
+            // RFC 8878: 8 MiB windows suffice for HTTP; a larger one would
+            // let an upstream make the tap allocate up to 128 MiB.
+            "zstd" => match zstd::stream::raw::Decoder::new().and_then(|mut d| {
+                d.set_parameter(zstd::stream::raw::DParameter::WindowLogMax(
+                    ZSTD_WINDOW_LOG_MAX,
+                ))
+                .map(|()| d)
+            }) {
+                Ok(d) => Decode::Zstd(Box::new(zstd::stream::write::Decoder::with_decoder(w, d))),
+                Err(_) => Decode::Unreadable(w),
+            },
+            _ => Decode::Unreadable(w),
+        }
+    }
+
+    /// The coding is one tidemark decodes (identity included).
+    pub fn readable(&self) -> bool {
+        !matches!(self, Decode::Unreadable(_))
+    }
+
+    /// Decode the next chunk into the writer; false when it is not valid
+    /// in its coding (or the writer refused it). Unreadable: nothing written.
+    pub fn write(&mut self, chunk: &[u8]) -> bool {
+        match self {
+            Decode::Identity(w) => w.write_all(chunk).is_ok(),
+            Decode::Gzip(d) => d.write_all(chunk).is_ok(),
+            Decode::Brotli(d) => d.write_all(chunk).is_ok(),
+            Decode::Zstd(d) => d.write_all(chunk).is_ok(),
+            Decode::Zlib(d) => d.write_all(chunk).is_ok(),
+            Decode::RawDeflate(d) => d.write_all(chunk).is_ok(),
+            Decode::DeflateSniff(head, _) => {
+                head.extend_from_slice(chunk);
+                head.len() < 2 || self.sniffed()
+            }
+            Decode::Unreadable(_) => true,
+        }
+    }
+
+    /// The body ended: push out what the decoder holds. False when the
+    /// body was cut short or broken (what was decoded is in the writer).
+    pub fn finish(&mut self) -> bool {
+        match self {
+            Decode::Identity(_) | Decode::Unreadable(_) => true,
+            // One byte of a deflate body: not a whole one.
+            Decode::DeflateSniff(head, _) => head.is_empty(),
+            Decode::Gzip(d) => d.try_finish().is_ok(),
+            Decode::Brotli(d) => d.flush().is_ok(),
+            Decode::Zstd(d) => d.flush().is_ok(),
+            Decode::Zlib(d) => d.try_finish().is_ok(),
+            Decode::RawDeflate(d) => d.try_finish().is_ok(),
+        }
+    }
+
+    pub fn get_ref(&self) -> &W {
+        match self {
+            Decode::Identity(w) | Decode::Unreadable(w) => w,
+            Decode::Gzip(d) => d.get_ref(),
+            Decode::Brotli(d) => d.get_ref(),
+            Decode::Zstd(d) => d.get_ref(),
+            Decode::Zlib(d) => d.get_ref(),
+            Decode::RawDeflate(d) => d.get_ref(),
+            Decode::DeflateSniff(_, w) => w,
+        }
+    }
+
+    pub fn get_mut(&mut self) -> &mut W {
+        match self {
+            Decode::Identity(w) | Decode::Unreadable(w) => w,
+            Decode::Gzip(d) => d.get_mut(),
+            Decode::Brotli(d) => d.get_mut(),
+            Decode::Zstd(d) => d.get_mut(),
+            Decode::Zlib(d) => d.get_mut(),
+            Decode::RawDeflate(d) => d.get_mut(),
+            Decode::DeflateSniff(_, w) => w,
+        }
+    }
+
+    /// Two bytes of a `deflate` body are in: pick zlib or raw and replay them.
+    fn sniffed(&mut self) -> bool {
+        let stand = Decode::Unreadable(self.get_ref().stand_in());
+        let Decode::DeflateSniff(head, w) = std::mem::replace(self, stand) else {
+            return false;
+        };
+        // RFC 1950: CM = 8 and the header checksum holds.
+        let zlib = head[0] & 0x0f == 8 && (u16::from(head[0]) << 8 | u16::from(head[1])) % 31 == 0;
+        if zlib {
+            let mut d = Box::new(flate2::write::ZlibDecoder::new(w));
+            let ok = d.write_all(&head).is_ok();
+            *self = Decode::Zlib(d);
+            ok
+        } else {
+            let mut d = Box::new(flate2::write::DeflateDecoder::new(w));
+            let ok = d.write_all(&head).is_ok();
+            *self = Decode::RawDeflate(d);
+            ok
+        }
+    }
+}
+
+/// Most decoded bytes one upstream chunk may turn into for the client; a
+/// chunk that decodes to more (a decompression bomb) breaks the body.
+pub const MAX_DECODED_CHUNK: usize = 64 << 20;
+
+/// A compressed response body decoded for the client: each upstream chunk
+/// in, its decoded bytes out. For an injected stream that the upstream
+/// compressed though asked not to (the option's additions must come out,
+/// SPEC §2); the client then gets it uncompressed.
+pub struct BodyDecoder(Decode<Collect>);
+
+/// Decoded bytes waiting to leave, capped per chunk.
+#[derive(Default)]
+pub struct Collect(Vec<u8>);
+
+impl Write for Collect {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_DECODED_CHUNK {
+            return Err(std::io::Error::other("decoded chunk over the cap"));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl StandIn for Collect {
+    fn stand_in(&self) -> Self {
+        Collect::default()
+    }
+}
+
+/// The upstream's compressed body could not be decoded.
+#[derive(Debug)]
+pub struct BrokenBody;
+
+impl std::fmt::Display for BrokenBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("upstream response body is not valid in its content coding")
+    }
+}
+impl std::error::Error for BrokenBody {}
+
+impl BodyDecoder {
+    /// A decoder for a content coding other than identity that tidemark
+    /// reads; `None` otherwise.
+    pub fn new(content_encoding: &str) -> Option<BodyDecoder> {
+        match Decode::new(Some(content_encoding), Collect::default()) {
+            Decode::Identity(_) | Decode::Unreadable(_) => None,
+            d => Some(BodyDecoder(d)),
+        }
+    }
+
+    /// Decode the next chunk; its decoded bytes are appended to `out`.
+    pub fn push(&mut self, chunk: &[u8], out: &mut Vec<u8>) -> Result<(), BrokenBody> {
+        let ok = self.0.write(chunk);
+        out.append(&mut self.0.get_mut().0);
+        ok.then_some(()).ok_or(BrokenBody)
+    }
+
+    /// The body ended: the decoder's last bytes are appended to `out`;
+    /// an error when the body was cut short.
+    pub fn finish(&mut self, out: &mut Vec<u8>) -> Result<(), BrokenBody> {
+        let ok = self.0.finish();
+        out.append(&mut self.0.get_mut().0);
+        ok.then_some(()).ok_or(BrokenBody)
+    }
+}
+
+impl UsageReader {
+    pub fn new(p: &'static dyn Provider, framing: Framing, content_encoding: Option<&str>) -> Self {
+        let sink = Sink {
+            p,
+            frame: match framing {
+                Framing::Sse => Frame::Sse(SseScanner::new()),
+                Framing::Ndjson => Frame::Lines(Vec::new()),
+                Framing::Json => Frame::Json(Document::Empty),
+            },
+            observed: Observed::default(),
+            parse_errors: 0,
+            decoded: 0,
+            stopped: false,
+        };
+        let mut decode = Decode::new(content_encoding, sink);
+        if !decode.readable() {
+            // The body is forwarded; its usage is unknown.
+            decode.get_mut().stop();
+        }
+        UsageReader { decode }
+    }
+
+    /// Look at the next body chunk, exactly as the client receives it.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.feed_frame(chunk, None);
+    }
+
+    /// [`feed`](Self::feed) with the chunk's own `Bytes`: an uncompressed
+    /// JSON body that arrives whole is then held, not copied.
+    pub fn feed_bytes(&mut self, chunk: &Bytes) {
+        self.feed_frame(chunk, Some(chunk));
+    }
+
+    fn feed_frame(&mut self, chunk: &[u8], whole: Option<&Bytes>) {
+        if chunk.is_empty() || self.decode.get_ref().stopped {
+            return;
+        }
+        let ok = match &mut self.decode {
+            Decode::Identity(s) => {
+                s.take_frame(chunk, whole);
+                true
+            }
+            d => d.write(chunk),
+        };
+        if !ok {
+            self.decode.get_mut().stop();
+        }
+    }
+
+    /// The body ended (or was cut): flush the decoder, parse what is pending.
+    pub fn finish(&mut self) -> ReadOutcome {
+        if !self.decode.get_ref().stopped {
+            // Push out what the decoder holds. A body cut mid-stream fails
+            // here; that is a short read, not a parse error, and what was
+            // decoded still counts.
+            let _ = self.decode.finish();
+            self.decode.get_mut().finish();
+        }
+        let s = self.decode.get_mut();
+        let out = ReadOutcome {
+            observed: s.observed.clone(),
+            parse_errors: s.parse_errors,
+        };
+        s.stopped = true;
+        out
+    }
 }
 
 /// Decoded bytes land here: framing, provider, accumulated observation.
@@ -82,163 +340,17 @@ enum Frame {
     Json(Document),
 }
 
-impl UsageReader {
-    pub fn new(p: &'static dyn Provider, framing: Framing, content_encoding: Option<&str>) -> Self {
-        let sink = Sink {
-            p,
-            frame: match framing {
-                Framing::Sse => Frame::Sse(SseScanner::new()),
-                Framing::Ndjson => Frame::Lines(Vec::new()),
-                Framing::Json => Frame::Json(Document::Empty),
-            },
+impl StandIn for Sink {
+    /// A stopped sink: it reads nothing until the decoder is back in shape.
+    fn stand_in(&self) -> Self {
+        Sink {
+            p: self.p,
+            frame: Frame::Json(Document::Empty),
             observed: Observed::default(),
             parse_errors: 0,
             decoded: 0,
-            stopped: false,
-        };
-        let enc = content_encoding
-            .map(|e| e.trim().to_ascii_lowercase())
-            .unwrap_or_default();
-        let decode = match enc.as_str() {
-            "" | "identity" => Decode::Identity(sink),
-            "gzip" | "x-gzip" => Decode::Gzip(Box::new(flate2::write::MultiGzDecoder::new(sink))),
-            "deflate" => Decode::DeflateSniff(Vec::new(), sink),
-            "br" => Decode::Brotli(Box::new(brotli_decompressor::DecompressorWriter::new(
-                sink, 8192,
-            ))),
-            "zstd" => match zstd::stream::write::Decoder::new(sink) {
-                Ok(mut d) => {
-                    // RFC 8878: 8 MiB windows suffice for HTTP; a larger one would
-                    // let an upstream make the tap allocate up to 128 MiB.
-                    match d.window_log_max(ZSTD_WINDOW_LOG_MAX) {
-                        Ok(()) => Decode::Zstd(Box::new(d)),
-                        Err(_) => Decode::Unreadable(unreadable_sink(p)),
-                    }
-                }
-                Err(_) => Decode::Unreadable(unreadable_sink(p)),
-            },
-            _ => Decode::Unreadable(unreadable_sink(p)),
-        };
-        UsageReader { decode }
-    }
-
-    /// Look at the next body chunk, exactly as the client receives it.
-    pub fn feed(&mut self, chunk: &[u8]) {
-        self.feed_frame(chunk, None);
-    }
-
-    /// [`feed`](Self::feed) with the chunk's own `Bytes`: an uncompressed
-    /// JSON body that arrives whole is then held, not copied.
-    pub fn feed_bytes(&mut self, chunk: &Bytes) {
-        self.feed_frame(chunk, Some(chunk));
-    }
-
-    fn feed_frame(&mut self, chunk: &[u8], whole: Option<&Bytes>) {
-        if chunk.is_empty() || self.sink().stopped {
-            return;
+            stopped: true,
         }
-        let ok = match &mut self.decode {
-            Decode::Identity(s) => {
-                s.take_frame(chunk, whole);
-                true
-            }
-            Decode::Gzip(d) => d.write_all(chunk).is_ok(),
-            Decode::Brotli(d) => d.write_all(chunk).is_ok(),
-            Decode::Zstd(d) => d.write_all(chunk).is_ok(),
-            Decode::Zlib(d) => d.write_all(chunk).is_ok(),
-            Decode::RawDeflate(d) => d.write_all(chunk).is_ok(),
-            Decode::DeflateSniff(head, _) => {
-                head.extend_from_slice(chunk);
-                head.len() < 2 || self.sniffed()
-            }
-            Decode::Unreadable(_) => true,
-        };
-        if !ok {
-            self.sink_mut().stop();
-        }
-    }
-
-    /// The body ended (or was cut): flush the decoder, parse what is pending.
-    pub fn finish(&mut self) -> ReadOutcome {
-        if !self.sink().stopped {
-            // Push out what the decoder holds. A body cut mid-stream fails
-            // here; that is a short read, not a parse error, and what was
-            // decoded still counts.
-            let _ = match &mut self.decode {
-                Decode::Identity(_) | Decode::Unreadable(_) | Decode::DeflateSniff(..) => Ok(()),
-                Decode::Gzip(d) => d.try_finish(),
-                Decode::Brotli(d) => d.flush(),
-                Decode::Zstd(d) => d.flush(),
-                Decode::Zlib(d) => d.try_finish(),
-                Decode::RawDeflate(d) => d.try_finish(),
-            };
-            self.sink_mut().finish();
-        }
-        let s = self.sink_mut();
-        let out = ReadOutcome {
-            observed: s.observed.clone(),
-            parse_errors: s.parse_errors,
-        };
-        s.stopped = true;
-        out
-    }
-
-    fn sink(&self) -> &Sink {
-        match &self.decode {
-            Decode::Identity(s) | Decode::Unreadable(s) => s,
-            Decode::Gzip(d) => d.get_ref(),
-            Decode::Brotli(d) => d.get_ref(),
-            Decode::Zstd(d) => d.get_ref(),
-            Decode::Zlib(d) => d.get_ref(),
-            Decode::RawDeflate(d) => d.get_ref(),
-            Decode::DeflateSniff(_, s) => s,
-        }
-    }
-
-    fn sink_mut(&mut self) -> &mut Sink {
-        match &mut self.decode {
-            Decode::Identity(s) | Decode::Unreadable(s) => s,
-            Decode::Gzip(d) => d.get_mut(),
-            Decode::Brotli(d) => d.get_mut(),
-            Decode::Zstd(d) => d.get_mut(),
-            Decode::Zlib(d) => d.get_mut(),
-            Decode::RawDeflate(d) => d.get_mut(),
-            Decode::DeflateSniff(_, s) => s,
-        }
-    }
-
-    /// Two bytes of a `deflate` body are in: pick zlib or raw and replay them.
-    fn sniffed(&mut self) -> bool {
-        let p = self.sink().p;
-        let Decode::DeflateSniff(head, sink) =
-            std::mem::replace(&mut self.decode, Decode::Unreadable(unreadable_sink(p)))
-        else {
-            return false;
-        };
-        // RFC 1950: CM = 8 and the header checksum holds.
-        let zlib = head[0] & 0x0f == 8 && (u16::from(head[0]) << 8 | u16::from(head[1])) % 31 == 0;
-        if zlib {
-            let mut d = Box::new(flate2::write::ZlibDecoder::new(sink));
-            let ok = d.write_all(&head).is_ok();
-            self.decode = Decode::Zlib(d);
-            ok
-        } else {
-            let mut d = Box::new(flate2::write::DeflateDecoder::new(sink));
-            let ok = d.write_all(&head).is_ok();
-            self.decode = Decode::RawDeflate(d);
-            ok
-        }
-    }
-}
-
-fn unreadable_sink(p: &'static dyn Provider) -> Sink {
-    Sink {
-        p,
-        frame: Frame::Json(Document::Empty),
-        observed: Observed::default(),
-        parse_errors: 1,
-        decoded: 0,
-        stopped: true,
     }
 }
 

@@ -136,3 +136,82 @@ fn the_live_sessions_table_reads_the_admin_api_of_the_compose_services() {
         }
     }
 }
+
+/// The services of docker-compose.yml, each with the text of its block.
+fn services() -> Vec<(String, String)> {
+    let compose = read("docker-compose.yml");
+    let body = compose
+        .split("\nservices:\n")
+        .nth(1)
+        .expect("a services section");
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in body.lines() {
+        if !line.starts_with(' ') && !line.trim().is_empty() {
+            break; // the next top-level key
+        }
+        match line.strip_prefix("  ").and_then(|l| l.strip_suffix(':')) {
+            Some(name) if !name.starts_with([' ', '#']) => {
+                out.push((name.to_string(), String::new()))
+            }
+            _ => {
+                if let Some((_, block)) = out.last_mut() {
+                    block.push_str(line);
+                    block.push('\n');
+                }
+            }
+        }
+    }
+    out
+}
+
+/// SPEC §1: tidemark refuses a non-loopback `--admin-listen` without
+/// `--admin-token` (or `--admin-insecure`). Both tidemark services bind
+/// their admin listener to 0.0.0.0, so each gets the one token, and both
+/// readers of the admin API send it: Prometheus (its scrape job's
+/// `credentials_file`, which the compose entrypoint writes beside the
+/// mounted config) and Grafana's sessions datasource.
+#[test]
+fn every_exposed_admin_listener_of_the_stack_has_the_token_its_readers_send() {
+    let svcs = services();
+    let block = |name: &str| {
+        svcs.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, b)| b.clone())
+            .unwrap_or_else(|| panic!("service {name}"))
+    };
+    let token_line = "TIDEMARK_ADMIN_TOKEN: *admin-token";
+    let mut exposed = 0;
+    for (name, b) in &svcs {
+        if b.contains("TIDEMARK_ADMIN_LISTEN: 0.0.0.0") {
+            exposed += 1;
+            assert!(
+                b.contains(token_line),
+                "{name}: admin listener on 0.0.0.0 without the token"
+            );
+        }
+    }
+    assert_eq!(exposed, 2, "tidemark and traffic");
+    assert!(
+        read("docker-compose.yml").contains("x-admin-token: &admin-token ${TIDEMARK_ADMIN_TOKEN:-")
+    );
+
+    let prom = read("deploy/prometheus/prometheus.yml");
+    let file = prom
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("credentials_file:"))
+        .map(str::trim)
+        .expect("the tidemark job sends a token from a file");
+    assert!(!file.starts_with('/'), "read beside the config: {file}");
+    let p = block("prometheus");
+    assert!(p.contains(token_line));
+    assert!(
+        p.contains(&format!("> /etc/prometheus/{file} && exec /bin/prometheus")),
+        "the entrypoint writes {file} beside /etc/prometheus/prometheus.yml"
+    );
+    assert!(p.contains("./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml"));
+
+    assert!(block("grafana").contains(token_line));
+    let ds = read("grafana/provisioning/datasources/sessions.yml");
+    assert!(ds.contains("httpHeaderName1: Authorization"));
+    assert!(ds.contains("httpHeaderValue1: Bearer ${TIDEMARK_ADMIN_TOKEN}"));
+}

@@ -322,3 +322,201 @@ async fn an_unrelated_400_reaches_the_client_unchanged() {
     assert_eq!(up.seen.count(), 1, "not retried");
     proxy.stop().await;
 }
+
+/// `body` in `coding` (gzip, deflate, zstd), as an upstream would send it.
+fn encode(coding: &str, body: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    match coding {
+        "gzip" => {
+            let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            e.write_all(body).unwrap();
+            e.finish().unwrap()
+        }
+        "deflate" => {
+            let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+            e.write_all(body).unwrap();
+            e.finish().unwrap()
+        }
+        "zstd" => zstd::encode_all(body, 3).unwrap(),
+        other => panic!("no encoder for {other}"),
+    }
+}
+
+/// An upstream that answers an OpenAI chat stream as asked (with the
+/// option's additions when the request has `include_usage: true`),
+/// compressed in the coding the request's `x-test-answer-in` names,
+/// whatever the request's `accept-encoding` says.
+fn compressing_upstream(plain: Bytes) -> Handler {
+    let with = Bytes::from(with_option(&plain));
+    handler(move |req| {
+        let body = if asked_for_usage(req.body()) {
+            &with
+        } else {
+            &plain
+        };
+        match req
+            .headers()
+            .get("x-test-answer-in")
+            .map(|v| v.to_str().unwrap().to_string())
+        {
+            None => sse(pieces(body)),
+            Some(coding) => {
+                let mut z = encode(&coding, body);
+                if req.headers().contains_key("x-test-cut") {
+                    z.truncate(z.len() * 2 / 3);
+                }
+                Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .header("content-encoding", coding)
+                    .body(chunked(pieces(&z)))
+                    .unwrap()
+            }
+        }
+    })
+}
+
+fn projection_src(parts: &http::response::Parts) -> String {
+    let h = parts.headers["x-context-projection"].to_str().unwrap();
+    h.split(';')
+        .find_map(|p| p.strip_prefix("src="))
+        .unwrap()
+        .to_string()
+}
+
+/// SPEC §2: `include_usage: false` is treated as absent. The upstream gets
+/// `true` by an edit of that one value, the client gets byte for byte the
+/// stream it asked for (no usage), and the session anchors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explicit_opt_out_is_injected_stripped_and_anchors() {
+    let plain = fixture("openai-chat/stream_no_usage.sse");
+    let up = upstream(compressing_upstream(plain.clone())).await;
+    let proxy = proxy(&up.url(), &[]).await;
+    let c = client_h1();
+    let h = [("x-session-id", "opt-out")];
+    for (turn, (req, sent)) in [
+        (
+            r#"{"model":"gpt-4o-opt-out","stream":true,"stream_options":{"include_usage":false},"messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"gpt-4o-opt-out","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#,
+        ),
+        (
+            r#"{"model":"gpt-4o-opt-out","stream":true,"stream_options": { "include_usage" : false }, "messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#,
+            r#"{"model":"gpt-4o-opt-out","stream":true,"stream_options": { "include_usage" : true }, "messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#,
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut b = http::Request::post(proxy.url("/v1/chat/completions"))
+            .header("content-type", "application/json");
+        for (k, v) in h {
+            b = b.header(k, v);
+        }
+        let (parts, body) = send(&c, b.body(full(req)).unwrap()).await;
+        assert_eq!(parts.status, 200);
+        assert_eq!(body, plain, "turn {turn}: the stream the client asked for");
+        assert_eq!(up.seen.last().1, Bytes::from(sent), "turn {turn}: one value edited");
+        if turn == 1 {
+            assert_eq!(projection_src(&parts), "anchored", "the opt-out session anchors");
+        }
+    }
+    assert_eq!(
+        metric_reaches(
+            &proxy,
+            "tidemark_prompt_tokens_real_total",
+            "gpt-4o-opt-out",
+            2 * PROMPT_TOKENS
+        )
+        .await,
+        2 * PROMPT_TOKENS
+    );
+    proxy.stop().await;
+}
+
+/// SPEC §2, whatever the encodings: a compressed request body is decoded,
+/// injected and sent uncompressed; an upstream that compresses its answer
+/// although asked not to has it decoded for the client, which never sees a
+/// byte the injection added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn injection_works_through_compressed_requests_and_responses() {
+    let plain = fixture("openai-chat/stream_no_usage.sse");
+    let up = upstream(compressing_upstream(plain.clone())).await;
+    let proxy = proxy(&up.url(), &[]).await;
+    let c = client_h1();
+    let json = |turns: usize| {
+        let msgs: Vec<String> = (0..turns)
+            .map(|i| format!(r#"{{"role":"user","content":"question {i}"}},{{"role":"assistant","content":"answer {i}"}}"#))
+            .collect();
+        format!(
+            r#"{{"model":"gpt-4o-inject-z","stream":true,"stream_options":{{"include_usage":false}},"messages":[{}{{"role":"user","content":"next"}}]}}"#,
+            msgs.iter().map(|m| format!("{m},")).collect::<String>()
+        )
+    };
+    let mut turn = 0;
+    for request_coding in [None, Some("gzip"), Some("zstd")] {
+        for answer in [None, Some("gzip"), Some("deflate"), Some("zstd")] {
+            turn += 1;
+            let sid = format!("z-{request_coding:?}-{answer:?}");
+            let mut srcs = Vec::new();
+            for t in 1..=2 {
+                let body = json(turn * 2 + t);
+                let mut b = http::Request::post(proxy.url("/v1/chat/completions"))
+                    .header("content-type", "application/json")
+                    .header("accept-encoding", "gzip, br, zstd")
+                    .header("x-session-id", &sid);
+                let wire = match request_coding {
+                    Some(cod) => {
+                        b = b.header("content-encoding", cod);
+                        Bytes::from(encode(cod, body.as_bytes()))
+                    }
+                    None => Bytes::from(body.clone()),
+                };
+                if let Some(a) = answer {
+                    b = b.header("x-test-answer-in", a);
+                }
+                let (parts, got) = send(&c, b.body(full(wire)).unwrap()).await;
+                let case = format!("request {request_coding:?}, answer {answer:?}, turn {t}");
+                assert_eq!(parts.status, 200, "{case}");
+                assert_eq!(
+                    got, plain,
+                    "{case}: the client's bytes, decoded, without the option's"
+                );
+                assert!(parts.headers.get("content-encoding").is_none(), "{case}");
+                let (seen, sent) = up.seen.last();
+                assert!(
+                    seen.headers.get("content-encoding").is_none(),
+                    "{case}: sent decoded"
+                );
+                assert_eq!(
+                    sent,
+                    Bytes::from(body.replace("\"include_usage\":false", "\"include_usage\":true")),
+                    "{case}: the decoded body, one value edited"
+                );
+                assert_eq!(
+                    seen.headers["content-length"],
+                    sent.len().to_string(),
+                    "{case}"
+                );
+                srcs.push(projection_src(&parts));
+            }
+            assert_eq!(
+                srcs[1], "anchored",
+                "request {request_coding:?}, answer {answer:?}"
+            );
+        }
+    }
+
+    // A compressed answer cut short: the client gets what decoded, then a
+    // broken body, never the raw bytes.
+    let b = http::Request::post(proxy.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-test-answer-in", "gzip")
+        .header("x-test-cut", "1")
+        .body(full(json(1)))
+        .unwrap();
+    let resp = within(30, c.request(b)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("content-encoding").is_none());
+    let got = within(30, http_body_util::BodyExt::collect(resp.into_body())).await;
+    assert!(got.is_err(), "an undecodable body fails, as a reset does");
+    proxy.stop().await;
+}

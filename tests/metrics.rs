@@ -2,6 +2,7 @@
 //! traffic, the model label is capped, and a real Prometheus scraping a live
 //! tidemark answers every query of the Grafana dashboard.
 
+mod faulty;
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -80,6 +81,37 @@ const SPEC: &[(&str, &str, &[&str])] = &[
     ("tidemark_usage_injected_total", "counter", &["api"]),
     ("tidemark_upstream_errors_total", "counter", &["kind"]),
     ("tidemark_usage_parse_errors_total", "counter", &["api"]),
+    ("tidemark_limits_hit_total", "counter", &["limit"]),
+    ("tidemark_state_backend_errors_total", "counter", &[]),
+    ("tidemark_up", "gauge", &[]),
+    ("tidemark_websockets", "gauge", &["api"]),
+];
+
+/// The values each single label of SPEC §7 takes, all exported from start-up.
+const LABEL_VALUES: &[(&str, &[&str])] = &[
+    (
+        "api",
+        &[
+            "openai-chat",
+            "openai-responses",
+            "anthropic-messages",
+            "gemini",
+            "ollama",
+            "other",
+        ],
+    ),
+    ("kind", &["connect", "timeout", "reset", "tls"]),
+    ("state", &["new", "anchored", "calibrated", "lost"]),
+    (
+        "limit",
+        &[
+            "body",
+            "body_timeout",
+            "header_timeout",
+            "headers",
+            "connections",
+        ],
+    ),
 ];
 
 /// An upstream that answers like each provider, from the fixtures; a request
@@ -456,4 +488,256 @@ async fn a_thousand_random_models_leave_at_most_201_model_label_values() {
     assert!(models.len() <= 201, "{} model label values", models.len());
     assert!(models.contains("other"), "overflow collapses into other");
     px.stop().await;
+}
+
+/// A port nobody listens on right now (bound, then released).
+async fn free_port() -> u16 {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Write a raw request, then read what comes back until the server closes
+/// or `secs` pass.
+async fn raw(addr: &str, request: &[u8], half_close: bool, secs: u64) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = within(5, tokio::net::TcpStream::connect(addr))
+        .await
+        .unwrap();
+    let _ = s.write_all(request).await;
+    if half_close {
+        let _ = s.shutdown().await;
+    }
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// SPEC §7, read off a process of its own right after it starts (the
+/// metrics of a test binary are shared by its tests): every family is
+/// exported, and each series labelled by `api`, `kind`, `state` or `limit`
+/// alone is there at zero for every value. Then the requests tidemark
+/// answers itself (413, 408, 400 on an API path; 502 on a path it does not
+/// read) are counted and timed like every other, and an upstream that
+/// resets or goes silent mid-stream is counted by kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_counted() {
+    let (prefix, _) = {
+        let f = fixture("openai-chat/stream_basic_with_usage.sse");
+        (f.slice(..200), f)
+    };
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let up = faulty::start(faulty::handler({
+        let held = Arc::clone(&held);
+        move |req| {
+            let body = if req.headers().contains_key("x-test-reset") {
+                faulty::then_reset_flushed(vec![prefix.clone()])
+            } else {
+                // A prefix, then silence (the sender is kept, not dropped).
+                let (tx, body) = faulty::channel();
+                let _ = tx.try_send(Ok(prefix.clone()));
+                held.lock().unwrap().push(tx);
+                body
+            };
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body)
+                .unwrap()
+        }
+    }))
+    .await;
+    let dead = format!("127.0.0.1:{}", free_port().await);
+    let (listen, admin) = (
+        format!("127.0.0.1:{}", free_port().await),
+        format!("127.0.0.1:{}", free_port().await),
+    );
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_tidemark"))
+        .args([
+            "--listen",
+            &listen,
+            "--admin-listen",
+            &admin,
+            "--upstream",
+            &up.url(),
+            "--route",
+            &format!("/dead=http://{dead}"),
+            "--max-body-bytes",
+            "1000",
+            "--header-read-timeout",
+            "500ms",
+            "--idle-timeout",
+            "300ms",
+        ])
+        .env_remove("TIDEMARK_ADMIN_TOKEN")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the binary starts");
+    let c = client_h1();
+    let metrics_url = format!("http://{admin}/metrics");
+    let page = within(20, async {
+        loop {
+            let req = Request::get(&metrics_url).body(full("")).unwrap();
+            if let Ok(Ok(resp)) =
+                tokio::time::timeout(std::time::Duration::from_secs(2), c.request(req)).await
+            {
+                let body = http_body_util::BodyExt::collect(resp.into_body())
+                    .await
+                    .unwrap()
+                    .to_bytes();
+                break String::from_utf8(body.to_vec()).unwrap();
+            }
+            assert!(child.try_wait().unwrap().is_none(), "exited at start");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+
+    // Right after start-up: every family, and every single-label value at 0.
+    let (types, _) = parse_exposition(&page);
+    let mut problems = Vec::new();
+    for (name, ty, labels) in SPEC {
+        match types.get(*name) {
+            None => problems.push(format!("{name}: not exported at start-up")),
+            Some(t) if t != ty => problems.push(format!("{name}: type {t}, want {ty}")),
+            _ => {}
+        }
+        let [label] = labels else { continue };
+        let Some(&(_, mut values)) = LABEL_VALUES.iter().find(|(l, _)| l == label) else {
+            continue;
+        };
+        // Its `api` is the Responses API or `none` (SPEC §7).
+        if *name == "tidemark_websockets" {
+            values = &["openai-responses", "none"];
+        }
+        let series = match *ty {
+            "histogram" => format!("{name}_count"),
+            _ => name.to_string(),
+        };
+        for v in values {
+            let line = format!("{series}{{{label}=\"{v}\"}} 0");
+            if !page.lines().any(|l| l == line) {
+                problems.push(format!("no `{line}` at start-up"));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}\n\n{page}", problems.join("\n"));
+
+    // tidemark's own answers.
+    let chat =
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
+    let a = raw(
+        &listen,
+        format!("{chat}content-length: 5000\r\n\r\n").as_bytes(),
+        false,
+        10,
+    )
+    .await;
+    assert!(a.starts_with("HTTP/1.1 413"), "{a}");
+    let big = format!(
+        "{chat}transfer-encoding: chunked\r\n\r\n7d0\r\n{}\r\n0\r\n\r\n",
+        "x".repeat(2000)
+    );
+    let a = raw(&listen, big.as_bytes(), false, 10).await;
+    assert!(a.starts_with("HTTP/1.1 413"), "{a}");
+    let a = raw(
+        &listen,
+        format!("{chat}content-length: 200\r\n\r\n{{\"model\":").as_bytes(),
+        false,
+        10,
+    )
+    .await;
+    assert!(a.starts_with("HTTP/1.1 408"), "{a}");
+    // The body ends short of its length: a body that cannot be read.
+    let a = raw(
+        &listen,
+        format!("{chat}content-length: 200\r\n\r\n{{\"model\":").as_bytes(),
+        true,
+        10,
+    )
+    .await;
+    assert!(a.is_empty() || a.starts_with("HTTP/1.1 400"), "{a}");
+    let a = raw(
+        &listen,
+        b"GET /dead/v1/models HTTP/1.1\r\nhost: x\r\n\r\n",
+        false,
+        10,
+    )
+    .await;
+    assert!(a.starts_with("HTTP/1.1 502"), "{a}");
+
+    // Mid-stream: a reset, then a stream silent past --idle-timeout.
+    for reset in [true, false] {
+        let mut b = Request::post(format!("http://{listen}/v1/chat/completions"))
+            .header("content-type", "application/json");
+        if reset {
+            b = b.header("x-test-reset", "1");
+        }
+        let body = r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
+        let resp = within(20, client_h1().request(b.body(full(body)).unwrap()))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let got = within(20, http_body_util::BodyExt::collect(resp.into_body())).await;
+        assert!(got.is_err(), "reset {reset}: the body fails");
+    }
+
+    let (_, page) = get(&c, &metrics_url).await;
+    let page = String::from_utf8(page.to_vec()).unwrap();
+    let n = |name: &str, labels: &[(&str, &str)]| faulty::metric(&page, name, labels);
+    let chat_api = ("api", "openai-chat");
+    for (code, want) in [("413", 2.0), ("408", 1.0), ("400", 1.0), ("200", 2.0)] {
+        assert_eq!(
+            n("tidemark_requests_total", &[chat_api, ("code", code)]),
+            want,
+            "requests {code}\n{page}"
+        );
+    }
+    assert_eq!(
+        n(
+            "tidemark_requests_total",
+            &[("api", "other"), ("code", "502")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        n("tidemark_request_duration_seconds_count", &[chat_api]),
+        6.0,
+        "every chat request timed"
+    );
+    assert_eq!(
+        n(
+            "tidemark_request_duration_seconds_count",
+            &[("api", "other")]
+        ),
+        1.0,
+        "the 502 timed"
+    );
+    assert_eq!(
+        n("tidemark_upstream_errors_total", &[("kind", "connect")]),
+        1.0
+    );
+    assert_eq!(
+        n("tidemark_upstream_errors_total", &[("kind", "reset")]),
+        1.0,
+        "a reset mid-stream"
+    );
+    assert_eq!(
+        n("tidemark_upstream_errors_total", &[("kind", "timeout")]),
+        1.0,
+        "silent past --idle-timeout"
+    );
+    assert_eq!(n("tidemark_limits_hit_total", &[("limit", "body")]), 2.0);
+    assert_eq!(
+        n("tidemark_limits_hit_total", &[("limit", "body_timeout")]),
+        1.0
+    );
+    let _ = child.kill().await;
 }

@@ -596,6 +596,144 @@ async fn anchor_loss_is_one_episode_and_failures_are_not_losses() {
     px.stop().await;
 }
 
+/// A 2xx stream that ends in the provider's own error event (overloaded,
+/// a provider gone mid-stream, `response.failed`) and carried no usage is a
+/// failed turn, like a 500 or a reset (SPEC §4): the session keeps its
+/// anchor, no loss is counted, and it is not a turn. On a session's first
+/// request, the next one is still a legitimate cold start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_ends_in_an_error_event_without_usage_is_a_failed_turn() {
+    // Anthropic's overloaded error as the stream's first event: no
+    // message_start, so no usage (the fixture's later error follows usage).
+    let overloaded = fixture_text("anthropic-messages/stream_error_overloaded.sse");
+    let overloaded = overloaded[overloaded.find("event: error").unwrap()..].to_string();
+    let cases: [(&str, &str, &str, String, &str); 4] = [
+        (
+            "/v1/chat/completions",
+            "text/event-stream",
+            "openai-chat/stream_basic_with_usage.sse",
+            fixture_text("openai-chat/stream_midstream_error.sse"),
+            "gpt-4o-failed-turn",
+        ),
+        (
+            "/v1/responses",
+            "text/event-stream",
+            "openai-responses/stream_basic.sse",
+            fixture_text("openai-responses/stream_failed_context_length.sse"),
+            "gpt-4o-failed-turn-r",
+        ),
+        (
+            "/v1/messages",
+            "text/event-stream",
+            "anthropic-messages/stream_basic.sse",
+            overloaded,
+            "claude-failed-turn",
+        ),
+        (
+            "/api/chat",
+            "application/x-ndjson",
+            "ollama/api_chat_stream.ndjson",
+            fixture_text("ollama/api_chat_stream_error.ndjson"),
+            "llama-failed-turn",
+        ),
+    ];
+    let body = |path: &str, model: &str, turns: usize| -> Value {
+        let mut msgs = Vec::new();
+        for i in 0..turns {
+            msgs.push(
+                json!({"role": "user", "content": format!("question {i} about the tide tables")}),
+            );
+            msgs.push(
+                json!({"role": "assistant", "content": format!("answer {i}: high water at noon")}),
+            );
+        }
+        msgs.push(json!({"role": "user", "content": "and tomorrow?"}));
+        match path {
+            "/v1/chat/completions" => json!({"model": model, "stream": true,
+                "stream_options": {"include_usage": true}, "messages": msgs}),
+            "/v1/responses" => json!({"model": model, "stream": true, "input": msgs}),
+            "/v1/messages" => {
+                json!({"model": model, "max_tokens": 64, "stream": true, "messages": msgs})
+            }
+            _ => json!({"model": model, "messages": msgs}),
+        }
+    };
+    for (path, ct, good, bad, model) in cases {
+        let good = support::fixture(good);
+        let bad = Bytes::from(bad);
+        let up = support::upstream(support::handler(move |req: Request<Bytes>| {
+            let fail = String::from_utf8_lossy(req.body()).contains("FAIL-NOW");
+            http::Response::builder()
+                .header("content-type", ct)
+                .body(full(if fail { bad.clone() } else { good.clone() }))
+                .unwrap()
+        }))
+        .await;
+        let px = support::proxy(
+            &up.url(),
+            &["--route", &format!("/v1/messages={}", up.url())],
+        )
+        .await;
+        let c = support::client_h1();
+        let url = px.url(path);
+        let lost0 = metric(&c, &px, "tidemark_anchor_lost_total", model).await;
+        let failing = |mut b: Value| {
+            b["metadata"] = json!({"note": "FAIL-NOW"});
+            if path == "/api/chat" || path == "/v1/responses" {
+                b.as_object_mut().unwrap().remove("metadata");
+                b["options"] = json!({"note": "FAIL-NOW"});
+            }
+            b
+        };
+
+        // Anchored, then a failed turn: the next request is still anchored.
+        let key = format!("failed-turn-{model}");
+        let h = [("x-session-id", key.as_str())];
+        assert!(is_cold(
+            &call(&c, &url, &body(path, model, 1), &h)
+                .await
+                .projection()
+                .src
+        ));
+        let r = call(&c, &url, &body(path, model, 2), &h).await;
+        assert_eq!(r.projection().src, "anchored", "{path}");
+        let r = call(&c, &url, &failing(body(path, model, 3)), &h).await;
+        assert_eq!(
+            r.status(),
+            200,
+            "{path}: the error comes inside a 2xx stream"
+        );
+        assert!(r.body.is_ok(), "{path}: forwarded whole");
+        let r = call(&c, &url, &body(path, model, 4), &h).await;
+        assert_eq!(
+            r.projection().src,
+            "anchored",
+            "{path}: a failed turn is not an anchor loss"
+        );
+        let s = admin_json(&c, &px.admin_url(&format!("/sessions/{key}"))).await;
+        assert_eq!(s["anchor_losses"], 0, "{path}: {s}");
+        assert_eq!(s["state"], "anchored", "{path}: {s}");
+        assert_eq!(s["turns"], 3, "{path}: the failed turn is not a turn: {s}");
+
+        // A session whose first request fails: the second is a cold start, not lost.
+        let key = format!("failed-first-{model}");
+        let h = [("x-session-id", key.as_str())];
+        call(&c, &url, &failing(body(path, model, 1)), &h).await;
+        let r = call(&c, &url, &body(path, model, 2), &h).await;
+        assert!(is_cold(&r.projection().src), "{path}: {:?}", r.projection());
+        assert_eq!(
+            metric(&c, &px, "tidemark_anchor_lost_total", model).await,
+            lost0,
+            "{path}: no loss counted"
+        );
+        px.stop().await;
+    }
+}
+
+fn fixture_text(rel: &str) -> String {
+    String::from_utf8(support::fixture(rel).to_vec()).unwrap()
+}
+
 // ---------------------------------------------------------------------------
 // 4. The legitimate anchor-less requests are not losses.
 

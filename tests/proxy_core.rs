@@ -163,6 +163,7 @@ async fn headers_pass_both_ways_hop_by_hop_dropped_host_rewritten() {
             .header("keep-alive", "timeout=5")
             .header("connection", "x-hop-resp")
             .header("x-hop-resp", "gone")
+            .header("proxy-authenticate", "Basic realm=\"egress\"")
             .body(full(r#"{"error":{"message":"slow down","type":"rate_limit_error","param":null,"code":null}}"#))
             .unwrap()
     }))
@@ -198,6 +199,11 @@ async fn headers_pass_both_ways_hop_by_hop_dropped_host_rewritten() {
     assert_eq!(parts.headers.get("x-unknown-response").unwrap(), "v");
     assert!(parts.headers.get("x-hop-resp").is_none());
     assert!(parts.headers.get("keep-alive").is_none());
+    // tidemark authenticates no proxy hop: the challenge is the client's.
+    assert_eq!(
+        parts.headers.get("proxy-authenticate").unwrap(),
+        "Basic realm=\"egress\""
+    );
     assert!(
         parts.headers.get("x-context-projection").is_some(),
         "projection on upstream errors too"
@@ -211,7 +217,11 @@ async fn headers_pass_both_ways_hop_by_hop_dropped_host_rewritten() {
     );
     assert_eq!(seen.headers.get("x-unknown-request").unwrap(), "u");
     assert!(seen.headers.get("x-hop-req").is_none());
-    assert!(seen.headers.get("proxy-authorization").is_none());
+    // Not hop-by-hop for tidemark (SPEC §2): a credential, passed like the others.
+    assert_eq!(
+        seen.headers.get("proxy-authorization").unwrap(),
+        "Basic abc"
+    );
     assert!(
         seen.headers.get("x-context-reset").is_none(),
         "x-context-reset is consumed"

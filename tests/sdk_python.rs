@@ -3,7 +3,8 @@
 //! (the upstream sees nothing, the proxy sees each request once). With
 //! `--on-over trim` a long tool-using conversation goes through, the SDK
 //! parses the answer, and the upstream receives a valid, smaller request.
-//! `scripts/test.sh` installs `openai` and `anthropic` from PyPI.
+//! `scripts/test.sh` installs `openai` and `anthropic` from PyPI into
+//! `target/venv`.
 
 mod support;
 mod trim_support;
@@ -16,8 +17,18 @@ use tidemark::sim::{count_prompt, SimApi};
 
 use support::*;
 
+/// The interpreter with the SDKs: `TIDEMARK_PYTHON` (scripts/test.sh sets
+/// it), else the project's virtual environment that script makes, else
+/// `python3`.
 fn python() -> String {
-    std::env::var("TIDEMARK_PYTHON").unwrap_or_else(|_| "python3".to_string())
+    if let Ok(p) = std::env::var("TIDEMARK_PYTHON") {
+        return p;
+    }
+    let venv = format!("{}/target/venv/bin/python", env!("CARGO_MANIFEST_DIR"));
+    match std::path::Path::new(&venv).exists() {
+        true => venv,
+        false => "python3".to_string(),
+    }
 }
 
 /// Run `tests/sdk/NAME` against `base`; panic with its output unless it prints OK.
@@ -29,7 +40,7 @@ async fn run_script(name: &str, base: String) {
             .expect("join")
     })
     .await
-    .expect("python3 must be installed (scripts/test.sh installs the SDKs)");
+    .expect("a Python interpreter (scripts/test.sh makes target/venv with the SDKs)");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

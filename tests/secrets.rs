@@ -464,3 +464,107 @@ async fn no_log_line_or_admin_response_carries_a_credential_or_conversation_text
         admin_text.len()
     );
 }
+
+/// The binary with `args` and `env`, the admin settings' variables of this
+/// environment cleared, stderr piped.
+fn tidemark_with(args: &[&str], env: &[(&str, &str)]) -> tokio::process::Child {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tidemark"));
+    cmd.args(args)
+        .env_remove("TIDEMARK_ADMIN_TOKEN")
+        .env_remove("TIDEMARK_ADMIN_INSECURE")
+        .env_remove("TIDEMARK_ADMIN_LISTEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("the binary starts")
+}
+
+/// Run the binary; `None` if it is still running after `secs` (then
+/// killed), else its exit status and stderr.
+async fn run_briefly(args: &[&str], env: &[(&str, &str)], secs: u64) -> Option<(bool, String)> {
+    let mut child = tidemark_with(args, env);
+    let mut stderr = child.stderr.take().unwrap();
+    match tokio::time::timeout(Duration::from_secs(secs), child.wait()).await {
+        Ok(status) => {
+            let mut err = String::new();
+            let _ = stderr.read_to_string(&mut err).await;
+            Some((status.expect("exit status").success(), err))
+        }
+        Err(_) => {
+            let _ = child.kill().await;
+            None
+        }
+    }
+}
+
+/// An admin listener anyone can reach serves session keys, credential
+/// hashes and DELETE: without a token tidemark will not start there unless
+/// told it is meant (SPEC §1 `--admin-insecure`), and says so in one line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_loopback_admin_listener_needs_a_token_or_an_explicit_acknowledgement() {
+    for exposed in ["0.0.0.0", "[::]"] {
+        let listen = format!("127.0.0.1:{}", free_port().await);
+        let admin = format!("{exposed}:{}", free_port().await);
+        let (ok, err) = run_briefly(&["--listen", &listen, "--admin-listen", &admin], &[], 20)
+            .await
+            .expect("refuses at once, does not serve");
+        assert!(!ok, "non-zero exit");
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "one line: {err}");
+        for says in [&admin[..], "loopback", "--admin-token", "--admin-insecure"] {
+            assert!(lines[0].contains(says), "{says:?} in {err}");
+        }
+    }
+    // A token, the flag, or its environment variable: it serves.
+    let port = free_port().await;
+    let admin = format!("0.0.0.0:{port}");
+    let healthz = format!("http://127.0.0.1:{port}/healthz");
+    let listen = format!("127.0.0.1:{}", free_port().await);
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+    let cases: [Case; 3] = [
+        (&["--admin-token", "t0ken"], &[]),
+        (&["--admin-insecure"], &[]),
+        (&[], &[("TIDEMARK_ADMIN_INSECURE", "true")]),
+    ];
+    for (extra, env) in cases {
+        let mut args = vec!["--listen", &listen, "--admin-listen", &admin];
+        args.extend_from_slice(extra);
+        let mut child = tidemark_with(&args, env);
+        let c = client_h1();
+        let served = within(20, async {
+            loop {
+                if let Ok(Ok(resp)) = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    c.request(
+                        Request::get(&healthz)
+                            .body(support::full(Bytes::new()))
+                            .unwrap(),
+                    ),
+                )
+                .await
+                {
+                    break resp.status().as_u16();
+                }
+                assert!(
+                    child.try_wait().unwrap().is_none(),
+                    "{args:?} {env:?}: exited instead of serving"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert_eq!(served, 200, "{args:?} {env:?}");
+        let _ = child.kill().await;
+    }
+    // Loopback needs neither.
+    let admin = format!("127.0.0.1:{}", free_port().await);
+    assert!(
+        run_briefly(&["--listen", &listen, "--admin-listen", &admin], &[], 2)
+            .await
+            .is_none(),
+        "a loopback admin listener starts without a token"
+    );
+}
