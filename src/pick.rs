@@ -589,6 +589,124 @@ fn block_marks(b: &[u8], base: usize) -> Option<(Marks, u64)> {
     Some((lanes::marks64(&block), (1u64 << rest.len()) - 1))
 }
 
+/// Feed `feed` the JSON value `b` (already known to be valid) as content
+/// only: without the whitespace between tokens and without any object
+/// member named `drop`, at any depth, so a marker that a client moves from
+/// message to message (Anthropic's `cache_control`) or a change of layout
+/// leaves what is fed as it was. What is fed is the value's compact form
+/// with strings as they were written. Runs of bytes go to `feed` whole: a
+/// compact value without the member is one call. `None`: a string or
+/// bracket that does not close (the caller then uses the raw bytes).
+pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()> {
+    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\n' | b'\r');
+    // Bytes from `run` on are not fed yet; `after` is the last structural
+    // byte (a member name can follow only `{` or `,`).
+    let (mut i, mut run, mut after) = (0, 0, 0u8);
+    // A comma inside the unfed run, or one already cut off from it by
+    // whitespace (`held`): it goes out only if what follows is kept.
+    let (mut comma, mut held) = (None::<usize>, false);
+    // A member of the innermost open object was kept (else a dropped one
+    // takes the comma after it, not the one before).
+    let mut kept = false;
+    let mut eat_comma = false;
+    while let Some(&c) = b.get(i) {
+        if ws(c) {
+            match comma {
+                // `, "name"`: the comma waits for the name.
+                Some(at) if at + 1 == i => {
+                    feed(&b[run..at]);
+                    held = true;
+                    comma = None;
+                }
+                _ => feed(&b[run..i]),
+            }
+            while b.get(i).is_some_and(|&c| ws(c)) {
+                i += 1;
+            }
+            run = i;
+            continue;
+        }
+        match c {
+            b',' => {
+                if eat_comma {
+                    feed(&b[run..i]);
+                    run = i + 1;
+                    eat_comma = false;
+                } else {
+                    comma = Some(i);
+                }
+                after = b',';
+                i += 1;
+                continue;
+            }
+            b'"' => {
+                let (end, _) = string_end(b, i)?;
+                let mut j = end;
+                while b.get(j).is_some_and(|&c| ws(c)) {
+                    j += 1;
+                }
+                let named = matches!(after, b'{' | b',') && b.get(j) == Some(&b':');
+                if named && &b[i + 1..end - 1] == drop {
+                    j += 1;
+                    while b.get(j).is_some_and(|&c| ws(c)) {
+                        j += 1;
+                    }
+                    let vend = match *b.get(j)? {
+                        b'{' | b'[' => container_end(b, j, 0)?,
+                        b'"' => string_end(b, j)?.0,
+                        _ => {
+                            j + b[j..]
+                                .iter()
+                                .position(|&c| matches!(c, b',' | b'}' | b']') || ws(c))
+                                .unwrap_or(b.len() - j)
+                        }
+                    };
+                    match comma {
+                        // The comma before it goes with it.
+                        Some(at) if kept => feed(&b[run..at]),
+                        _ => feed(&b[run..i]),
+                    }
+                    // No member kept before it: the comma after it goes instead.
+                    eat_comma = !kept;
+                    held = false;
+                    comma = None;
+                    i = vend;
+                    run = vend;
+                    continue;
+                }
+                if std::mem::take(&mut held) {
+                    feed(b",");
+                }
+                kept |= named;
+                comma = None;
+                after = b'"';
+                i = end;
+                continue;
+            }
+            b'}' | b']' => {
+                // Back in the member (or element) that holds this value.
+                eat_comma = false;
+                kept = true;
+                after = c;
+            }
+            b':' => after = c,
+            _ => {
+                if std::mem::take(&mut held) {
+                    feed(b",");
+                }
+                if c == b'{' {
+                    kept = false;
+                }
+                comma = None;
+                after = c;
+            }
+        }
+        i += 1;
+    }
+    feed(&b[run..]);
+    Some(())
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -1015,5 +1133,101 @@ pub(crate) mod tests {
         assert_eq!(pick(skipped.as_bytes(), keep), None);
         let fine = format!("{{\"x\":{}1{}}}", "[".repeat(100), "]".repeat(100));
         assert_eq!(pick(fine.as_bytes(), keep), Some(Node::Obj(vec![])));
+    }
+
+    /// What [`content`] feeds, joined.
+    fn fed(b: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        content(b, b"cache_control", &mut |run: &[u8]| {
+            out.extend_from_slice(run)
+        })
+        .expect("valid JSON");
+        out
+    }
+
+    /// `v` with a `cache_control` member in every object, its value of a
+    /// kind chosen by depth (an object, a string, a number, an array).
+    fn with_marker(v: &serde_json::Value, depth: usize) -> serde_json::Value {
+        use serde_json::{json, Value};
+        match v {
+            Value::Object(m) => {
+                let mut m: serde_json::Map<String, Value> = m
+                    .iter()
+                    .map(|(k, v)| (k.clone(), with_marker(v, depth + 1)))
+                    .collect();
+                let marker = match depth % 4 {
+                    0 => json!({"type": "ephemeral", "ttl": "5m"}),
+                    1 => json!("ephemeral"),
+                    2 => json!(1.5e3),
+                    _ => json!([{"x": null}, true]),
+                };
+                m.insert("cache_control".into(), marker);
+                Value::Object(m)
+            }
+            Value::Array(a) => Value::Array(a.iter().map(|v| with_marker(v, depth + 1)).collect()),
+            v => v.clone(),
+        }
+    }
+
+    #[test]
+    fn content_drops_the_marker_and_the_layout() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{"a":1}"#, r#"{"a":1}"#),
+            (r#"{"cache_control":{"type":"ephemeral"}}"#, "{}"),
+            (r#"{"cache_control":{},"a":1}"#, r#"{"a":1}"#),
+            (r#"{"a":1,"cache_control":{}}"#, r#"{"a":1}"#),
+            (r#"{"a":1,"cache_control":{},"b":2}"#, r#"{"a":1,"b":2}"#),
+            (
+                r#"{"cache_control":1,"cache_control":"x","a":[1, 2]}"#,
+                r#"{"a":[1,2]}"#,
+            ),
+            (
+                "{ \"a\" : 1 ,\n  \"cache_control\" : { \"t\" : [ 1 ] } ,\n \"b\" : \"x y\" }",
+                r#"{"a":1,"b":"x y"}"#,
+            ),
+            ("{\"cache_control\" : null , \"b\":true}", r#"{"b":true}"#),
+            // A value or element that says the name is kept.
+            (
+                r#"{"text":"cache_control","l":["cache_control"]}"#,
+                r#"{"text":"cache_control","l":["cache_control"]}"#,
+            ),
+            (
+                r#"[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}, {"k":"\"cache_control\":1"}]"#,
+                r#"[{"type":"text","text":"hi"},{"k":"\"cache_control\":1"}]"#,
+            ),
+            (r#""plain string""#, r#""plain string""#),
+            (" 12 ", "12"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(
+                String::from_utf8(fed(input.as_bytes())).unwrap(),
+                *want,
+                "{input}"
+            );
+        }
+        // Not JSON that closes: the caller falls back to the raw bytes.
+        assert!(content(br#"{"a":"x"#, b"cache_control", &mut |_: &[u8]| {}).is_none());
+    }
+
+    proptest::proptest! {
+        /// Any value, compact or pretty, with markers anywhere, feeds the
+        /// compact form of the value without them.
+        #[test]
+        fn content_is_the_compact_value_without_markers(v in any_json()) {
+            let want = serde_json::to_vec(&v).unwrap();
+            let marked = with_marker(&v, 0);
+            for text in [
+                serde_json::to_vec(&v).unwrap(),
+                serde_json::to_vec_pretty(&v).unwrap(),
+                serde_json::to_vec(&marked).unwrap(),
+                serde_json::to_vec_pretty(&marked).unwrap(),
+            ] {
+                let got = fed(&text);
+                proptest::prop_assert_eq!(
+                    String::from_utf8_lossy(&got),
+                    String::from_utf8_lossy(&want)
+                );
+            }
+        }
     }
 }
