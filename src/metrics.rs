@@ -6,7 +6,7 @@ use std::sync::{Mutex, OnceLock};
 
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct `model` label values kept before the rest collapse into `other`.
@@ -28,6 +28,8 @@ pub struct Metrics {
     pub projection_error: HistogramVec,
     pub utilization: HistogramVec,
     pub sessions: IntGaugeVec,
+    /// Lanes held across all sessions (`tidemark_lanes`).
+    pub lanes: IntGauge,
     pub anchor_lost: IntCounterVec,
     pub usage_missing: IntCounterVec,
     pub compactions: IntCounterVec,
@@ -191,6 +193,10 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(sessions.clone()))
             .expect("metric registered once");
+        let lanes =
+            IntGauge::new("tidemark_lanes", "lanes held, all sessions").expect("valid metric");
+        r.register(Box::new(lanes.clone()))
+            .expect("metric registered once");
         let state_errors = IntCounter::new(
             "tidemark_state_backend_errors_total",
             "state backend (redis) operations that failed; requests fell back to local state",
@@ -288,6 +294,7 @@ impl Metrics {
                 UTILIZATION,
             ),
             sessions,
+            lanes,
             anchor_lost: counter(&r, "tidemark_anchor_lost_total", "anchor losses", am),
             usage_missing: counter(
                 &r,

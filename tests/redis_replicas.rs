@@ -143,7 +143,7 @@ async fn find_key(
     part: &str,
 ) -> Option<String> {
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("tidemark:v1:{{*:{session}}}:{part}"))
+        .arg(format!("tidemark:v2:{{*:{session}}}:{part}"))
         .query_async(conn)
         .await
         .expect("KEYS");
@@ -295,8 +295,9 @@ async fn written_back(conn: &mut redis::aio::MultiplexedConnection, session: &st
     }
 }
 
-/// The stored record's anchor and sequence, and the session's counter.
-/// All zero while the keys are not there yet.
+/// The sequence the newest lane was stored at, that lane's anchor's
+/// sequence, and the session's counter. All zero while the keys are not
+/// there yet.
 async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> (u64, u64, u64) {
     let (Some(rec), Some(seq)) = (
         find_key(conn, session, "rec").await,
@@ -304,22 +305,28 @@ async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> 
     ) else {
         return (0, 0, 0);
     };
-    let (s, d): (Option<u64>, Option<Vec<u8>>) = redis::cmd("HMGET")
+    let fields: std::collections::HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
         .arg(&rec)
-        .arg("s")
-        .arg("d")
         .query_async(conn)
         .await
         .unwrap();
     let counter: u64 = redis::cmd("GET").arg(&seq).query_async(conn).await.unwrap();
-    let v: Value = d
-        .and_then(|d| serde_json::from_slice(&d).ok())
+    let newest = fields
+        .iter()
+        .filter_map(|(k, v)| {
+            let lane = k.strip_prefix("s:")?;
+            let s: u64 = std::str::from_utf8(v).ok()?.parse().ok()?;
+            Some((s, lane.to_string()))
+        })
+        .max();
+    let Some((s, lane)) = newest else {
+        return (0, 0, counter);
+    };
+    let v: Value = fields
+        .get(&format!("l:{lane}"))
+        .and_then(|d| serde_json::from_slice(d).ok())
         .unwrap_or(Value::Null);
-    (
-        s.unwrap_or(0),
-        v["anchor"]["seq"].as_u64().unwrap_or(0),
-        counter,
-    )
+    (s, v["anchor"]["seq"].as_u64().unwrap_or(0), counter)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -420,7 +427,7 @@ async fn session_budget_counts_spend_from_every_replica() {
     loop {
         let k = find_key(&mut conn, "budget-1", "spend").await;
         let (i, o): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(k.as_deref().unwrap_or("tidemark:v1:none"))
+            .arg(k.as_deref().unwrap_or("tidemark:v2:none"))
             .arg("i")
             .arg("o")
             .query_async(&mut conn)
@@ -445,141 +452,6 @@ async fn session_budget_counts_spend_from_every_replica() {
     assert_eq!(r.status, 200);
     for p in [a, b] {
         p.stop().await;
-    }
-}
-
-/// `Sessions::begin_shared` on its own: what a replica does with what Redis
-/// handed it, without Redis.
-mod begin_shared {
-    use std::time::Duration;
-
-    use tidemark::provider::{Api, Usage};
-    use tidemark::session::{Outcome, RequestFacts, SessionConfig, Sessions, Shared, Src};
-
-    fn store() -> Sessions {
-        Sessions::new(SessionConfig {
-            ttl: Duration::from_secs(600),
-            max_sessions: 100,
-        })
-    }
-
-    fn facts(estimate: u64) -> RequestFacts {
-        RequestFacts {
-            key: Some("k".into()),
-            credential: "c0ffee00".into(),
-            api: Api::OpenAiChat,
-            model: Some("m".into()),
-            estimate,
-            reset: false,
-            window: None,
-            counted: None,
-            continues: None,
-        }
-    }
-
-    fn ok(real: u64) -> Outcome {
-        Outcome {
-            status: 200,
-            usage: Usage {
-                total_context: Some(real),
-                output: Some(10),
-                ..Default::default()
-            },
-            response_id: None,
-            completed: true,
-        }
-    }
-
-    #[test]
-    fn another_replicas_record_anchors_and_takes_the_global_sequence() {
-        let a = store();
-        let b = store();
-        let begun = a.begin_shared(
-            facts(1000),
-            Some(Shared {
-                seq: 1,
-                ..Default::default()
-            }),
-        );
-        assert_eq!(begun.ticket.seq(), 1);
-        a.finish(begun.ticket, ok(1200));
-        let rec = a.record("k", "c0ffee00").unwrap();
-        let begun = b.begin_shared(
-            facts(1100),
-            Some(Shared {
-                seq: 7,
-                record: Some(rec),
-                record_seq: 1,
-                spend: (5_000, 0, 300),
-                model: (None, Some(1.2)),
-            }),
-        );
-        assert_eq!(begun.projection.src, Src::Anchored);
-        assert_eq!(begun.ticket.seq(), 7, "the global order, not a local count");
-        // 1200 + 100 * 1.2: the anchor and the shared model ratio.
-        assert_eq!(begun.projection.tokens, 1320);
-        assert_eq!(
-            begun.spent, 5_300,
-            "the shared spend, larger than the record's"
-        );
-    }
-
-    #[test]
-    fn a_newer_local_response_beats_an_older_stored_record() {
-        let a = store();
-        let shared = |seq| {
-            Some(Shared {
-                seq,
-                ..Default::default()
-            })
-        };
-        let b1 = a.begin_shared(facts(1000), shared(1));
-        a.finish(b1.ticket, ok(1200));
-        let old = a.record("k", "c0ffee00").unwrap();
-        let b2 = a.begin_shared(facts(2000), shared(2));
-        a.finish(b2.ticket, ok(2300));
-        // Redis still holds the record of request 1 (request 2's store in flight).
-        let b3 = a.begin_shared(
-            facts(2100),
-            Some(Shared {
-                seq: 3,
-                record: Some(old),
-                record_seq: 1,
-                ..Default::default()
-            }),
-        );
-        assert_eq!(b3.projection.src, Src::Anchored);
-        // 2300 + 100 * 1.1 (the ratio request 2 taught); the old record would
-        // give 1200 + 1100 * 1.0.
-        assert_eq!(b3.projection.tokens, 2410, "anchored on request 2's 2300");
-    }
-
-    #[test]
-    fn a_delete_tombstone_drops_the_local_anchor_once() {
-        let a = store();
-        let b1 = a.begin_shared(
-            facts(1000),
-            Some(Shared {
-                seq: 1,
-                ..Default::default()
-            }),
-        );
-        a.finish(b1.ticket, ok(1200));
-        let tomb = |seq| {
-            Some(Shared {
-                seq,
-                record: None,
-                record_seq: 2,
-                ..Default::default()
-            })
-        };
-        let b = a.begin_shared(facts(1100), tomb(3));
-        assert_ne!(b.projection.src, Src::Anchored, "another replica's DELETE");
-        a.finish(b.ticket, ok(1300));
-        // Its store has not landed yet: the same tombstone again does not
-        // drop the new anchor.
-        let b = a.begin_shared(facts(1200), tomb(4));
-        assert_eq!(b.projection.src, Src::Anchored);
     }
 }
 

@@ -1,43 +1,32 @@
-//! Sessions, anchors, calibration and the projection (SPEC §4, the session
-//! object of §6). `begin` projects a request before it goes upstream;
-//! `finish` hears what the provider counted and re-anchors.
+//! Sessions, lanes, anchors, calibration and the projection (SPEC §4, the
+//! session object of §6). A [`Store`] begins a request (which session, which
+//! lane, the projection) and finishes it (what the provider counted); the
+//! spine never knows whether it is the process's own memory or Redis.
 //!
 //! The projection is `anchor.real + (estimate - anchor.estimate) * calibration`
-//! where the anchor is the last real prompt count of the session and
-//! `calibration` the session's learned real/estimate ratio for new content.
+//! where the anchor is the last real prompt count of the request's lane and
+//! `calibration` the lane's learned real/estimate ratio for new content.
 //! Every projection is made by a [`Ruler`] `(base_real, base_estimate, ratio)`
 //! so a trimmed body can be re-measured with the same ruler.
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+//!
+//! - `identity.rs`: who is asking and which session: credential, session
+//!   header, the ids agents send of their own accord, the fingerprint.
+//! - `lane.rs`: a session's record and its lanes, and the lane rule.
+//! - `memory.rs`: the sessions this process holds.
+//! - `redis.rs`: the same, shared between replicas through Redis.
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use dashmap::DashMap;
-use prometheus::IntGauge;
 use serde::{Deserialize, Serialize};
 
-use crate::metrics;
 use crate::provider::{Api, Usage};
 
-/// Ratios outside this range are measurement noise (a tiny delta, a
-/// provider rounding), not a tokenizer difference.
-const RATIO_MIN: f64 = 0.25;
-const RATIO_MAX: f64 = 8.0;
-/// Smallest estimate difference between two anchors that teaches a ratio.
-const MIN_DELTA: u64 = 16;
-/// How much of the session's earlier anchor differences survives each new
-/// one: the marginal ratio is a decayed, size-weighted sum, so a turn of a
-/// dozen tokens (all framing) moves it far less than a 5,000-token tool result.
-const SESSION_DECAY: f64 = 0.5;
-/// Weight of the newest sample in the per-model ratios learned across sessions.
-const MODEL_ALPHA: f64 = 0.1;
-/// Weight of the newest turn in the growth per turn.
-const GROWTH_ALPHA: f64 = 0.5;
-/// Per-model ratios kept; model names come from clients.
-const MAX_MODELS: usize = 256;
-/// Most `previous_response_id` links remembered.
-const MAX_RESPONSE_LINKS: usize = 1 << 18;
+pub mod identity;
+pub mod lane;
+mod memory;
+pub mod redis;
+
+pub use lane::{lane_hex, Lane, Session, MAX_LANES};
+pub use memory::Sessions;
 
 /// Where a projection came from (the `src` parameter of the header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,7 +66,8 @@ pub enum State {
 }
 
 impl State {
-    const ALL: [State; 4] = [State::New, State::Anchored, State::Calibrated, State::Lost];
+    pub(crate) const ALL: [State; 4] =
+        [State::New, State::Anchored, State::Calibrated, State::Lost];
     pub fn as_str(self) -> &'static str {
         match self {
             State::New => "new",
@@ -88,17 +78,57 @@ impl State {
     }
 }
 
+/// How a session was named (`key_source` in `/sessions`), in SPEC §4's
+/// order of precedence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeySource {
+    /// A `--session-header`.
+    Header,
+    /// An id the agent sends of its own accord (see `identity.rs`).
+    Agent,
+    /// The `previous_response_id` chain.
+    Chain,
+    /// `fp:` + a hash of the conversation's start.
+    Fingerprint,
+}
+
+impl KeySource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeySource::Header => "header",
+            KeySource::Agent => "agent",
+            KeySource::Chain => "chain",
+            KeySource::Fingerprint => "fingerprint",
+        }
+    }
+}
+
 pub struct SessionConfig {
-    /// Sessions idle longer than this are dropped by `sweep`.
+    /// Sessions idle longer than this are gone (and dropped by `sweep`).
     pub ttl: Duration,
     /// Most sessions held; the least recently seen go first.
     pub max_sessions: usize,
 }
 
+/// Content hashes of where a conversation starts, layout and moving
+/// markers left out (`identity::content`): they make the fingerprint and
+/// tell a session's lanes apart.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Content {
+    /// The system prompt, and the messages before the first user message.
+    pub system: u64,
+    /// The first user message.
+    pub first: u64,
+}
+
 /// What the spine knows about a request when it asks for a projection.
-pub struct RequestFacts {
-    /// Header value or `fp:` fingerprint; `None`: project, store nothing.
+pub struct RequestFacts<'a> {
+    /// Session header, agent id or `fp:` fingerprint; `None`: project,
+    /// store nothing (unless a `previous_response_id` names a session).
     pub key: Option<String>,
+    /// How `key` was found.
+    pub source: KeySource,
     /// First 8 hex of the credential's SHA-256, or `none`: part of the identity.
     pub credential: String,
     pub api: Api,
@@ -112,6 +142,30 @@ pub struct RequestFacts {
     pub counted: Option<u64>,
     /// OpenAI Responses `previous_response_id`.
     pub continues: Option<String>,
+    /// Where the conversation starts: with the model, the lane.
+    pub content: Content,
+    /// A caller's own lane discriminator: each Responses WebSocket
+    /// `stream_id` on one socket is its own lane.
+    pub stream: Option<&'a str>,
+}
+
+impl Default for RequestFacts<'_> {
+    fn default() -> Self {
+        RequestFacts {
+            key: None,
+            source: KeySource::Header,
+            credential: "none".into(),
+            api: Api::OpenAiChat,
+            model: None,
+            estimate: 0,
+            reset: false,
+            window: None,
+            counted: None,
+            continues: None,
+            content: Content::default(),
+            stream: None,
+        }
+    }
 }
 
 /// The projected prompt size of one request.
@@ -238,12 +292,13 @@ impl Ruler {
         }
     }
 }
-
 /// Carries a request from `begin` to `finish`.
 #[derive(Debug)]
 pub struct Ticket {
     /// (credential, key); `None` for key-less requests.
     id: Option<(Box<str>, Box<str>)>,
+    /// The lane the request was placed in.
+    lane: u64,
     /// The session's begin sequence: newer responses win.
     seq: u64,
     /// The estimate of what was sent (after trimming): anchors live in that space.
@@ -251,35 +306,70 @@ pub struct Ticket {
     model: Option<Box<str>>,
     /// Projected without an anchor: its response teaches the model's cold ratio.
     cold: bool,
+    /// Its begin detected a compaction (a shared backend adds them up).
+    compacted: bool,
+    /// Begun with a shared backend's record: its outcome is written back.
+    shared: bool,
+}
+
+impl Ticket {
+    /// (credential, key) of the session, `None` for key-less requests.
+    pub fn session(&self) -> Option<(&str, &str)> {
+        self.id.as_ref().map(|(c, k)| (&**c, &**k))
+    }
+
+    /// The request's sequence in its session.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The lane's id (see [`lane_hex`]).
+    pub fn lane(&self) -> u64 {
+        self.lane
+    }
+
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
 }
 
 pub struct Begun {
     pub projection: Projection,
     pub ticket: Ticket,
-    /// The session's cumulative real prompt (cached included) plus output.
+    /// The session's cumulative real prompt (cached included) plus output,
+    /// all lanes.
     pub spent: u64,
     pub key: Option<String>,
+    pub source: Option<KeySource>,
     /// The ruler the projection was measured with.
     pub ruler: Ruler,
-    /// The session's recent growth per turn, for `turns-left`.
+    /// The lane's recent growth per turn, for `turns-left`.
     growth: Option<f64>,
+    /// A shared backend is configured but did not answer: projected from
+    /// this process's state only (`state=local` on the projection header).
+    pub local_state: bool,
 }
 
 impl Begun {
-    /// Projected without an anchor (first request, shrink, reset, model
-    /// change, after `DELETE`): where `--exact-cold-start` asks the provider
-    /// to count and then calls [`Sessions::apply_count`].
+    /// Projected without an anchor (first request, shrink, reset, a new
+    /// lane, after `DELETE`): where `--exact-cold-start` asks the provider
+    /// to count and then calls [`Store::apply_count`].
     pub fn anchorless(&self) -> bool {
         self.ticket.cold
     }
 }
 
+/// What the provider said of one request, heard once its response ended.
+#[derive(Debug, Default)]
 pub struct Outcome {
     pub status: u16,
     pub usage: Usage,
     pub response_id: Option<String>,
     /// The response ended normally (not reset mid-stream).
     pub completed: bool,
+    /// The provider edited the context on its side (its count dropped
+    /// while the request did not): re-anchor, learn nothing from it.
+    pub server_edit: Option<u64>,
 }
 
 /// An anchor: the real prompt count of a response and the estimate of the
@@ -294,159 +384,7 @@ pub struct Anchor {
     pub seq: u64,
 }
 
-/// One session, as a plain record a shared backend can store (the key is
-/// stored beside it). `seq` is monotonic per session.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Record {
-    pub credential: Box<str>,
-    #[serde(with = "api_name")]
-    pub api: Api,
-    pub model: Option<Box<str>>,
-    /// Requests begun so far; each request's ticket carries its number.
-    pub seq: u64,
-    pub anchor: Option<Anchor>,
-    /// Responses of requests begun before this sequence may not anchor: a
-    /// newer anchor or a drop fences them off.
-    pub fence: u64,
-    /// The last anchor ever made under the current model, kept across drops:
-    /// the base for projecting anchor-less requests and for learning ratios.
-    pub reference: Option<(u64, u64)>,
-    /// Learned real/estimate ratio for new content:
-    /// `marginal_real / marginal_estimate` once enough was seen.
-    pub marginal: Option<f64>,
-    /// Decayed sums of real and estimated growth between consecutive anchors.
-    pub marginal_real: f64,
-    pub marginal_estimate: f64,
-    /// Recent real growth per turn.
-    pub growth: Option<f64>,
-    /// `DELETE /sessions/{key}` happened: the next request is anchor-less.
-    pub reset_pending: bool,
-    /// Has had a 2xx response.
-    pub had_ok: bool,
-    /// Sequence of the newest 2xx response heard.
-    pub last_ok_seq: u64,
-    /// Whether that response carried usage.
-    pub last_ok_usage: bool,
-    /// In an anchor-loss episode (warned once).
-    pub losing: bool,
-    pub state: State,
-    pub turns: u64,
-    pub last_real: Option<u64>,
-    pub projection: u64,
-    pub src: Src,
-    pub window: Option<u64>,
-    pub compactions: u32,
-    pub anchor_losses: u32,
-    pub cum_input: u64,
-    pub cum_cached: u64,
-    pub cum_output: u64,
-    /// Wall clock, milliseconds since the Unix epoch.
-    pub last_seen_ms: u64,
-    /// Process-local LRU order.
-    #[serde(skip)]
-    touch: u64,
-    /// Process-local idle clock (ms since the store was made), for the TTL.
-    #[serde(skip)]
-    idle_ms: u64,
-}
-
-impl Record {
-    fn new(credential: &str, api: Api, model: Option<&str>) -> Self {
-        Record {
-            credential: credential.into(),
-            api,
-            model: model.map(Into::into),
-            seq: 0,
-            anchor: None,
-            fence: 0,
-            reference: None,
-            marginal: None,
-            marginal_real: 0.0,
-            marginal_estimate: 0.0,
-            growth: None,
-            reset_pending: false,
-            had_ok: false,
-            last_ok_seq: 0,
-            last_ok_usage: false,
-            losing: false,
-            state: State::New,
-            turns: 0,
-            last_real: None,
-            projection: 0,
-            src: Src::Estimate,
-            window: None,
-            compactions: 0,
-            anchor_losses: 0,
-            cum_input: 0,
-            cum_cached: 0,
-            cum_output: 0,
-            last_seen_ms: 0,
-            touch: 0,
-            idle_ms: 0,
-        }
-    }
-
-    fn derive_state(&self) -> State {
-        if self.losing {
-            State::Lost
-        } else if self.anchor.is_some() {
-            State::Anchored
-        } else if self.reference.is_some() || self.marginal.is_some() {
-            State::Calibrated
-        } else {
-            State::New
-        }
-    }
-
-    fn spent(&self) -> u64 {
-        self.cum_input.saturating_add(self.cum_output)
-    }
-}
-
-/// Ratios learned across sessions for one model.
-#[derive(Debug, Default, Clone, Copy)]
-struct ModelCal {
-    /// real/estimate of anchor-less requests (overhead included).
-    cold: Option<f64>,
-    /// Marginal ratio of new content.
-    marginal: Option<f64>,
-}
-
-/// `previous_response_id` -> the session that produced it, bounded FIFO.
-#[derive(Default)]
-struct Links {
-    map: HashMap<Box<str>, (Box<str>, Box<str>)>,
-    order: VecDeque<Box<str>>,
-}
-
-/// The maps' hasher: seeded per process, as std's SipHash is, and about a
-/// fifth of its instructions on a 19-byte key (three lookups a request).
-type Hasher = foldhash::fast::RandomState;
-
-/// Every session this process holds.
-pub struct Sessions {
-    /// key -> the sessions of that key, one per credential (almost always one).
-    map: DashMap<Box<str>, Vec<Record>, Hasher>,
-    models: DashMap<Box<str>, ModelCal, Hasher>,
-    links: Mutex<Links>,
-    links_cap: usize,
-    count: AtomicUsize,
-    clock: AtomicU64,
-    evicting: AtomicBool,
-    epoch: Instant,
-    ttl: Duration,
-    cap: usize,
-    gauges: [IntGauge; 4],
-}
-
-fn ewma(old: Option<f64>, sample: f64, alpha: f64) -> f64 {
-    match old {
-        Some(o) => o + alpha * (sample - o),
-        None => sample,
-    }
-}
-
-fn wall_ms() -> u64 {
+pub(crate) fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -477,876 +415,123 @@ pub fn rfc3339(ms: u64) -> String {
         ms % 1000
     )
 }
-
-fn turns_left(tokens: u64, window: Option<u64>, growth: Option<f64>) -> Option<u64> {
-    let w = window.filter(|w| *w > 0)?;
-    let g = growth.filter(|g| g.is_finite() && *g >= 1.0)?;
-    Some((w.saturating_sub(tokens) as f64 / g).floor() as u64)
+/// Where sessions live: this process's memory, or Redis shared with other
+/// replicas (`--state`). The spine calls the same methods on either; the
+/// memory arm never awaits.
+pub enum Store {
+    Memory(Sessions),
+    Redis(redis::Shared),
 }
 
-impl Sessions {
-    pub fn new(cfg: SessionConfig) -> Self {
-        let m = metrics::get();
-        let cap = cfg.max_sessions.max(1);
-        Sessions {
-            map: DashMap::with_hasher(Hasher::default()),
-            models: DashMap::with_hasher(Hasher::default()),
-            links: Mutex::new(Links::default()),
-            links_cap: cap.clamp(16, MAX_RESPONSE_LINKS),
-            count: AtomicUsize::new(0),
-            clock: AtomicU64::new(1),
-            evicting: AtomicBool::new(false),
-            epoch: Instant::now(),
-            ttl: cfg.ttl,
-            cap,
-            gauges: State::ALL.map(|s| m.sessions.with_label_values(&[s.as_str()])),
+impl Store {
+    /// `state` is `--state`: `memory` or a `redis://` URL.
+    pub fn new(cfg: SessionConfig, state: &str) -> Result<Store, String> {
+        Ok(match state {
+            "memory" => Store::Memory(Sessions::new(cfg)),
+            url => Store::Redis(redis::Shared::new(url, cfg)?),
+        })
+    }
+
+    /// This process's sessions (all of them with `memory`, its copy with Redis).
+    pub fn sessions(&self) -> &Sessions {
+        match self {
+            Store::Memory(s) => s,
+            Store::Redis(r) => r.local(),
         }
     }
 
-    fn mono_ms(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.epoch).as_millis() as u64
-    }
-
-    fn model_cal(&self, model: Option<&str>) -> ModelCal {
-        self.models
-            .get(model.unwrap_or(""))
-            .map(|c| *c)
-            .unwrap_or_default()
-    }
-
-    fn learn_model(&self, model: Option<&str>, f: impl FnOnce(&mut ModelCal)) {
-        let name = model.unwrap_or("");
-        if let Some(mut c) = self.models.get_mut(name) {
-            f(&mut c);
-            return;
-        }
-        if self.models.len() >= MAX_MODELS {
-            return;
-        }
-        f(self.models.entry(name.into()).or_default().value_mut());
-    }
-
-    /// Move a record between state gauges.
-    fn transition(&self, from: State, to: State) {
-        if from != to {
-            self.gauges[from as usize].dec();
-            self.gauges[to as usize].inc();
-        }
-    }
-
-    /// Project a request and open its ticket.
-    pub fn begin(&self, facts: RequestFacts) -> Begun {
-        self.begin_in_order(facts, None)
-    }
-
-    /// Take the request's place in its session's order now, before it is
-    /// projected: a request forwarded before its estimate is worked out
-    /// (forward-first) keeps the order in which requests arrived, so of two
-    /// in flight at once the later one's response still wins. The session
-    /// is the one [`Sessions::begin`] will find (the same key, credential
-    /// and `previous_response_id` link), made here if it is new. `None`
-    /// without a session key. Pass the answer to [`Sessions::begin_in_order`].
+    /// The request's place in its session's order, taken on arrival, when
+    /// it is forwarded before it is projected ([`Sessions::reserve`]).
+    /// With Redis the order is Redis's, taken when it is asked: `None`.
     pub fn reserve(
         &self,
         key: Option<&str>,
+        source: KeySource,
         credential: &str,
         api: Api,
-        model: Option<&str>,
         continues: Option<&str>,
     ) -> Option<u64> {
-        let linked = continues.and_then(|id| self.follow(id, credential));
-        let key = linked.as_deref().or(key)?;
-        let (mut slot, idx, _) = self.slot(key, credential, || Record::new(credential, api, model));
-        let rec = &mut slot[idx];
-        rec.seq += 1;
-        Some(rec.seq)
-    }
-
-    /// The session's record of `key` and `credential`, made by `make` if
-    /// new (evicting at the cap, counted under its state); whether it was.
-    fn slot(
-        &self,
-        key: &str,
-        credential: &str,
-        make: impl FnOnce() -> Record,
-    ) -> (
-        dashmap::mapref::one::RefMut<'_, Box<str>, Vec<Record>>,
-        usize,
-        bool,
-    ) {
-        // Only at the cap does it matter whether the record exists before
-        // the lookup below (a second lookup, hash and shard lock each).
-        if self.count.load(Ordering::Relaxed) >= self.cap {
-            let exists = self
-                .map
-                .get(key)
-                .is_some_and(|v| v.iter().any(|r| *r.credential == *credential));
-            if !exists {
-                self.evict();
-            }
-        }
-        let mut slot = match self.map.get_mut(key) {
-            Some(s) => s,
-            // Capacity 1: a `Vec` of large elements would otherwise start at 4.
-            None => self
-                .map
-                .entry(Box::from(key))
-                .or_insert_with(|| Vec::with_capacity(1)),
-        };
-        match slot.iter().position(|r| *r.credential == *credential) {
-            Some(i) => (slot, i, false),
-            None => {
-                let r = make();
-                self.count.fetch_add(1, Ordering::Relaxed);
-                self.gauges[r.state as usize].inc();
-                slot.push(r);
-                let i = slot.len() - 1;
-                (slot, i, true)
-            }
+        match self {
+            Store::Memory(s) => s.reserve(key, source, credential, api, continues),
+            Store::Redis(_) => None,
         }
     }
 
-    /// [`Sessions::begin`] at the place `order` that [`Sessions::reserve`]
-    /// took (`None`: the next place now).
-    pub fn begin_in_order(&self, facts: RequestFacts, order: Option<u64>) -> Begun {
-        let RequestFacts {
-            key,
-            credential,
-            api,
-            model,
-            estimate,
-            reset,
-            window,
-            counted,
-            continues,
-        } = facts;
-        let linked = continues.and_then(|id| self.follow(&id, &credential));
-        let chained = linked.is_some();
-        let key = linked.or(key);
-        let mcal = self.model_cal(model.as_deref());
-        let Some(key) = key else {
-            // No session: a cold projection, nothing stored.
-            let (ruler, src) = cold_ruler(None, None, &mcal);
-            let (tokens, src, ruler) = apply_counted(ruler, src, counted, estimate);
-            return Begun {
-                projection: Projection {
-                    tokens,
-                    src,
-                    window,
-                    turns_left: None,
-                },
-                ticket: Ticket {
-                    id: None,
-                    seq: 0,
-                    estimate,
-                    model: model.map(Into::into),
-                    cold: true,
-                },
-                spent: 0,
-                key: None,
-                ruler,
-                growth: None,
-            };
-        };
+    /// Project a request and open its ticket, at the place `order` that
+    /// [`Store::reserve`] took (`None`: the next place now).
+    pub async fn begin(&self, facts: RequestFacts<'_>, order: Option<u64>) -> Begun {
+        match self {
+            Store::Memory(s) => s.begin_in_order(facts, order),
+            // Boxed: the memory arm's future stays small.
+            Store::Redis(r) => Box::pin(r.begin(facts)).await,
+        }
+    }
 
-        let touch = self.clock.fetch_add(1, Ordering::Relaxed);
-        let idle = self.mono_ms(Instant::now());
-        let (mut slot, idx, _) = self.slot(&key, &credential, || {
-            Record::new(&credential, api, model.as_deref())
-        });
-        let rec = &mut slot[idx];
-        // A request chained with `previous_response_id` carries only its new
-        // input: the provider prepends the stored conversation, so its size
-        // is the anchored request's plus this one, not a shrink.
-        let estimate = match rec.anchor {
-            Some(a) if chained => a.estimate.saturating_add(estimate),
-            _ => estimate,
-        };
-        let before = rec.state;
-        let seq = match order {
-            // Taken on arrival; a later arrival may have begun already.
-            Some(s) => {
-                rec.seq = rec.seq.max(s);
-                s
-            }
-            None => {
-                rec.seq += 1;
-                rec.seq
-            }
-        };
-        rec.touch = touch;
-        rec.idle_ms = idle;
-        rec.last_seen_ms = wall_ms();
-        rec.window = window;
-        rec.api = api;
-
-        // The legitimate anchor-less requests drop the anchor on purpose.
-        let model_changed = seq > 1 && rec.model.as_deref() != model.as_deref();
-        if model_changed {
-            rec.model = model.as_deref().map(Into::into);
-            rec.reference = None;
-            rec.marginal = None;
-            rec.marginal_real = 0.0;
-            rec.marginal_estimate = 0.0;
-            rec.growth = None;
-        }
-        // A shrink is a compaction only against an anchor of an earlier
-        // request: one that arrived before the anchor's request but is
-        // projected after it (forward-first) is just the smaller, older body.
-        let shrink = !model_changed
-            && rec
-                .anchor
-                .is_some_and(|a| a.seq < seq && estimate < a.estimate);
-        if shrink {
-            rec.compactions = rec.compactions.saturating_add(1);
-            let m = metrics::get();
-            m.compactions
-                .with_label_values(&[api.as_str(), &m.model_label(model.as_deref())])
-                .inc();
-        }
-        let dropped = reset || rec.reset_pending || model_changed || shrink;
-        if dropped {
-            rec.anchor = None;
-            rec.reset_pending = false;
-            rec.fence = rec.fence.max(seq);
-        }
-        let lost = !dropped && rec.had_ok && !rec.last_ok_usage;
-
-        let mcal = if model_changed {
-            self.model_cal(model.as_deref())
-        } else {
-            mcal
-        };
-        // Before the session has learned its own marginal ratio, the model's
-        // (marginal, else whole-request cold) ratio is a better guess for new
-        // content than 1: after a trim the gap to the next body can be large.
-        let ratio = rec.marginal.or(mcal.marginal).or(mcal.cold).unwrap_or(1.0);
-        let (ruler, mut src, cold) = match rec.anchor {
-            Some(a) => (
-                Ruler {
-                    base_real: a.real as f64,
-                    base_estimate: a.estimate as f64,
-                    ratio,
-                },
-                Src::Anchored,
-                false,
-            ),
-            None => {
-                let (r, s) = cold_ruler(rec.reference, rec.marginal, &mcal);
-                (r, s, true)
-            }
-        };
-        let (tokens, s2, ruler) = if cold {
-            apply_counted(ruler, src, counted, estimate)
-        } else {
-            (ruler.measure(estimate), src, ruler)
-        };
-        src = s2;
-        if lost {
-            src = Src::Lost;
-            if !rec.losing {
-                rec.losing = true;
-                rec.anchor_losses = rec.anchor_losses.saturating_add(1);
-                let m = metrics::get();
-                m.anchor_lost
-                    .with_label_values(&[api.as_str(), &m.model_label(model.as_deref())])
-                    .inc();
-                tracing::warn!(
-                    session = %key,
-                    credential = %rec.credential,
-                    estimate,
-                    last_real = ?rec.last_real,
-                    "anchor lost: the last successful response carried no usage; projecting from the last anchor"
-                );
-            }
-        }
-        rec.projection = tokens;
-        rec.src = src;
-        rec.state = rec.derive_state();
-        let after = rec.state;
-        let growth = rec.growth;
-        let spent = rec.spent();
-        drop(slot);
-        self.transition(before, after);
-        Begun {
-            projection: Projection {
-                tokens,
-                src,
-                window,
-                turns_left: turns_left(tokens, window, growth),
-            },
-            ticket: Ticket {
-                id: Some((credential.into(), Box::from(key.as_str()))),
-                seq,
-                estimate,
-                model: model.map(Into::into),
-                cold,
-            },
-            spent,
-            key: Some(key),
-            ruler,
-            growth,
+    /// The response of a ticket's request ended.
+    pub fn finish(&self, ticket: Ticket, outcome: Outcome) {
+        match self {
+            Store::Memory(s) => s.finish(ticket, outcome),
+            Store::Redis(r) => r.finish(ticket, outcome),
         }
     }
 
     /// `--exact-cold-start`: the provider counted this anchor-less request.
     pub fn apply_count(&self, begun: &mut Begun, tokens: u64) {
-        begun.ruler = Ruler {
-            base_real: tokens as f64,
-            base_estimate: begun.ticket.estimate as f64,
-            ratio: begun.ruler.ratio,
-        };
-        begun.projection.tokens = tokens;
-        begun.projection.src = Src::Counted;
-        self.refresh(begun);
+        self.sessions().apply_count(begun, tokens)
     }
 
-    /// Trimming: measure the trimmed body with the same ruler, and let this
-    /// request's response anchor against what was actually sent.
+    /// Trimming: the trimmed body, measured with the same ruler.
     pub fn reproject(&self, begun: &mut Begun, new_estimate: u64) {
-        begun.ticket.estimate = new_estimate;
-        begun.projection.tokens = begun.ruler.measure(new_estimate);
-        self.refresh(begun);
+        self.sessions().reproject(begun, new_estimate)
     }
 
-    /// Recompute `turns-left` and the session's last projection after a change.
-    fn refresh(&self, begun: &mut Begun) {
-        let p = &mut begun.projection;
-        p.turns_left = turns_left(p.tokens, p.window, begun.growth);
-        if let Some((cred, key)) = &begun.ticket.id {
-            if let Some(mut slot) = self.map.get_mut(&**key) {
-                if let Some(r) = slot.iter_mut().find(|r| r.credential == *cred) {
-                    if r.seq == begun.ticket.seq {
-                        r.projection = p.tokens;
-                        r.src = p.src;
-                    }
-                }
-            }
+    /// `GET /sessions/{key}`: the session of that key under `credential`,
+    /// or the most recently seen one; with Redis, the shared record.
+    pub async fn get(&self, key: &str, credential: Option<&str>) -> Option<serde_json::Value> {
+        match self {
+            Store::Memory(s) => s.get(key, credential),
+            Store::Redis(r) => r.get(key, credential).await,
         }
     }
 
-    /// The response of a ticket's request ended: anchor, learn, or note a loss.
-    pub fn finish(&self, ticket: Ticket, outcome: Outcome) {
-        let ok = (200..300).contains(&outcome.status);
-        let usage = &outcome.usage;
-        let real = usage.total_context.filter(|_| ok && outcome.completed);
-        if let Some(real) = real {
-            if ticket.cold && ticket.estimate >= MIN_DELTA && real > 0 {
-                let r = (real as f64 / ticket.estimate as f64).clamp(RATIO_MIN, RATIO_MAX);
-                self.learn_model(ticket.model.as_deref(), |c| {
-                    c.cold = Some(ewma(c.cold, r, MODEL_ALPHA))
-                });
-            }
-        }
-        let Some((cred, key)) = ticket.id else {
-            return;
-        };
-        let mut learned_marginal = None;
-        {
-            let Some(mut slot) = self.map.get_mut(&*key) else {
-                return;
-            };
-            let Some(rec) = slot.iter_mut().find(|r| r.credential == cred) else {
-                return;
-            };
-            let before = rec.state;
-            rec.cum_input = rec
-                .cum_input
-                .saturating_add(usage.total_context.unwrap_or(0));
-            rec.cum_cached = rec
-                .cum_cached
-                .saturating_add(usage.cached_input.unwrap_or(0));
-            rec.cum_output = rec.cum_output.saturating_add(usage.output.unwrap_or(0));
-            if ok && outcome.completed {
-                rec.turns += 1;
-                rec.had_ok = true;
-                if ticket.seq >= rec.last_ok_seq {
-                    rec.last_ok_seq = ticket.seq;
-                    rec.last_ok_usage = real.is_some();
-                    if real.is_some() {
-                        rec.last_real = real;
-                    }
-                }
-                if let Some(real) = real {
-                    // A response with usage ends a loss episode.
-                    rec.losing = false;
-                    let same_model = rec.model.as_deref() == ticket.model.as_deref();
-                    if ticket.seq >= rec.fence && same_model {
-                        let est = ticket.estimate;
-                        if let Some((r0, e0)) = rec.reference {
-                            // Differences cancel the provider's fixed overhead.
-                            let mut dr = real as f64 - r0 as f64;
-                            let mut de = est as f64 - e0 as f64;
-                            if de < 0.0 {
-                                (dr, de) = (-dr, -de);
-                            }
-                            if de > 0.0 && dr > 0.0 {
-                                rec.marginal_real = rec.marginal_real * SESSION_DECAY + dr;
-                                rec.marginal_estimate = rec.marginal_estimate * SESSION_DECAY + de;
-                                if rec.marginal_estimate >= MIN_DELTA as f64 {
-                                    rec.marginal = Some(
-                                        (rec.marginal_real / rec.marginal_estimate)
-                                            .clamp(RATIO_MIN, RATIO_MAX),
-                                    );
-                                }
-                                if de >= MIN_DELTA as f64 {
-                                    learned_marginal = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
-                                }
-                            }
-                        }
-                        if let Some(a) = rec.anchor {
-                            // Consecutive anchors: growth per turn between them.
-                            let turns = ticket.seq.saturating_sub(a.seq).max(1) as f64;
-                            let g = (real as f64 - a.real as f64) / turns;
-                            if g > 0.0 {
-                                rec.growth = Some(ewma(rec.growth, g, GROWTH_ALPHA));
-                            }
-                        }
-                        rec.anchor = Some(Anchor {
-                            real,
-                            estimate: est,
-                            at_ms: wall_ms(),
-                            seq: ticket.seq,
-                        });
-                        rec.reference = Some((real, est));
-                        rec.fence = ticket.seq + 1;
-                    }
-                }
-            }
-            rec.state = rec.derive_state();
-            let after = rec.state;
-            drop(slot);
-            self.transition(before, after);
-        }
-        if let Some(r) = learned_marginal {
-            self.learn_model(ticket.model.as_deref(), |c| {
-                c.marginal = Some(ewma(c.marginal, r, MODEL_ALPHA))
-            });
-        }
-        if ok {
-            if let Some(id) = outcome.response_id.filter(|id| !id.is_empty()) {
-                self.link(id, cred, key);
-            }
+    /// `GET /sessions?limit=N`.
+    pub async fn list(&self, limit: usize) -> serde_json::Value {
+        match self {
+            Store::Memory(s) => s.list(limit),
+            Store::Redis(r) => r.list(limit).await,
         }
     }
 
-    fn link(&self, id: String, cred: Box<str>, key: Box<str>) {
-        let mut l = self.links.lock().unwrap_or_else(|e| e.into_inner());
-        let id: Box<str> = id.into();
-        if l.map.insert(id.clone(), (cred, key)).is_none() {
-            l.order.push_back(id);
-        }
-        while l.order.len() > self.links_cap {
-            if let Some(old) = l.order.pop_front() {
-                l.map.remove(&old);
-            }
+    /// `DELETE /sessions/{key}[?credential=HASH]`: drop the anchors of
+    /// that credential's session, or of every credential's. Whether there
+    /// was one.
+    pub async fn delete(&self, key: &str, credential: Option<&str>) -> bool {
+        match self {
+            Store::Memory(s) => s.reset(key, credential),
+            Store::Redis(r) => r.delete(key, credential).await,
         }
     }
 
-    /// The key of the session that produced response `id`, if it belongs to `credential`.
-    fn follow(&self, id: &str, credential: &str) -> Option<String> {
-        let l = self.links.lock().unwrap_or_else(|e| e.into_inner());
-        l.map
-            .get(id)
-            .filter(|(c, _)| **c == *credential)
-            .map(|(_, k)| k.to_string())
+    /// Drop what is idle past the TTL from this process's memory.
+    pub fn sweep(&self, now: std::time::Instant) {
+        self.sessions().sweep(now)
     }
 
-    /// Drop sessions idle longer than the TTL.
-    pub fn sweep(&self, now: Instant) {
-        let ttl = self.ttl.as_millis() as u64;
-        let Some(cutoff) = self.mono_ms(now).checked_sub(ttl) else {
-            return;
-        };
-        self.remove_where(|r| r.idle_ms < cutoff);
-    }
-
-    /// Evict the least recently seen sixteenth of the cap (at least one), so
-    /// the scan is paid once per `cap/16` new sessions.
-    fn evict(&self) {
-        if self.evicting.swap(true, Ordering::AcqRel) {
-            return;
+    /// The shared backend, if any: for `/readyz`.
+    pub fn backend(&self) -> Option<&redis::RedisState> {
+        match self {
+            Store::Memory(_) => None,
+            Store::Redis(r) => Some(r.backend()),
         }
-        let n = self.count.load(Ordering::Relaxed);
-        if n >= self.cap {
-            let keep = self.cap - (self.cap / 16).max(1);
-            let remove = n - keep;
-            let mut touches: Vec<u64> = Vec::with_capacity(n + 64);
-            for e in self.map.iter() {
-                touches.extend(e.value().iter().map(|r| r.touch));
-            }
-            if remove > 0 && !touches.is_empty() {
-                let threshold = if remove >= touches.len() {
-                    u64::MAX
-                } else {
-                    *touches.select_nth_unstable(remove - 1).1
-                };
-                drop(touches);
-                self.remove_where(|r| r.touch <= threshold);
-            }
-        }
-        self.evicting.store(false, Ordering::Release);
-    }
-
-    fn remove_where(&self, pred: impl Fn(&Record) -> bool) {
-        let mut removed = [0i64; 4];
-        self.map.retain(|_, v| {
-            v.retain(|r| {
-                let gone = pred(r);
-                if gone {
-                    removed[r.state as usize] += 1;
-                }
-                !gone
-            });
-            !v.is_empty()
-        });
-        let total: i64 = removed.iter().sum();
-        self.count.fetch_sub(total as usize, Ordering::Relaxed);
-        for (g, n) in self.gauges.iter().zip(removed) {
-            g.sub(n);
-        }
-    }
-
-    /// `GET /sessions?limit=N`: the `limit` sessions of highest utilisation.
-    pub fn list(&self, limit: usize) -> serde_json::Value {
-        // Min-heap of the best `limit` (utilisation, order) seen; sessions with
-        // no window sort last.
-        let mut heap: BinaryHeap<Reverse<Candidate>> = BinaryHeap::new();
-        if limit > 0 {
-            for e in self.map.iter() {
-                for r in e.value() {
-                    let u = OrdF64(utilization(r).unwrap_or(-1.0));
-                    if heap.len() < limit {
-                        heap.push(Reverse((u, r.touch, e.key().clone(), r.credential.clone())));
-                    } else if heap
-                        .peek()
-                        .is_some_and(|Reverse(m)| (u, r.touch) > (m.0, m.1))
-                    {
-                        heap.pop();
-                        heap.push(Reverse((u, r.touch, e.key().clone(), r.credential.clone())));
-                    }
-                }
-            }
-        }
-        let mut top = heap.into_sorted_vec();
-        top.truncate(limit);
-        let sessions: Vec<serde_json::Value> = top
-            .into_iter()
-            .filter_map(|Reverse((_, _, k, c))| self.get(&k, Some(&c)))
-            .collect();
-        serde_json::json!({"total": self.len(), "sessions": sessions})
-    }
-
-    /// `GET /sessions/{key}`: the session of that key under `credential`, or
-    /// the most recently seen one.
-    pub fn get(&self, key: &str, credential: Option<&str>) -> Option<serde_json::Value> {
-        let slot = self.map.get(key)?;
-        let rec = match credential {
-            Some(c) => slot.iter().find(|r| *r.credential == *c)?,
-            None => slot.iter().max_by_key(|r| r.touch)?,
-        };
-        let rec = rec.clone();
-        drop(slot);
-        Some(self.render(key, &rec))
-    }
-
-    /// A plain copy of a session's record (for a shared backend or tests).
-    pub fn record(&self, key: &str, credential: &str) -> Option<Record> {
-        let slot = self.map.get(key)?;
-        slot.iter().find(|r| *r.credential == *credential).cloned()
-    }
-
-    fn render(&self, key: &str, r: &Record) -> serde_json::Value {
-        let mcal = self.model_cal(r.model.as_deref());
-        let calibration = r.marginal.or(mcal.marginal).unwrap_or(1.0);
-        serde_json::json!({
-            "key": key,
-            "credential": &*r.credential,
-            "api": r.api.as_str(),
-            "model": r.model.as_deref(),
-            "state": r.state.as_str(),
-            "turns": r.turns,
-            "anchor": r.anchor.map(|a| serde_json::json!({
-                "real": a.real,
-                "estimate": a.estimate,
-                "at": rfc3339(a.at_ms),
-            })),
-            "projection": r.projection,
-            "last_real": r.last_real,
-            "window": r.window,
-            "utilization": utilization(r).map(|u| (u * 1000.0).round() / 1000.0),
-            "calibration": (calibration * 10_000.0).round() / 10_000.0,
-            "compactions": r.compactions,
-            "anchor_losses": r.anchor_losses,
-            "cumulative": {
-                "input": r.cum_input,
-                "cached_input": r.cum_cached,
-                "output": r.cum_output,
-            },
-            "last_seen": rfc3339(r.last_seen_ms),
-        })
-    }
-
-    /// `DELETE /sessions/{key}`: drop the anchor of every session of `key`;
-    /// the next request of each is a legitimate anchor-less one.
-    pub fn reset(&self, key: &str) -> bool {
-        let mut moves = Vec::new();
-        {
-            let Some(mut slot) = self.map.get_mut(key) else {
-                return false;
-            };
-            for r in slot.iter_mut() {
-                let before = r.state;
-                r.anchor = None;
-                r.fence = r.seq + 1;
-                r.reset_pending = true;
-                r.state = r.derive_state();
-                moves.push((before, r.state));
-            }
-        }
-        for (a, b) in moves {
-            self.transition(a, b);
-        }
-        true
-    }
-
-    /// Sessions held.
-    pub fn len(&self) -> usize {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl Drop for Sessions {
-    fn drop(&mut self) {
-        // The gauges are process-wide; take this store's sessions back out.
-        for e in self.map.iter() {
-            for r in e.value() {
-                self.gauges[r.state as usize].dec();
-            }
-        }
-    }
-}
-
-/// Project without an anchor: from the session's reference point with its
-/// ratio, else the model's cold ratio, else the raw estimate.
-fn cold_ruler(reference: Option<(u64, u64)>, marginal: Option<f64>, m: &ModelCal) -> (Ruler, Src) {
-    if let Some((real, est)) = reference {
-        let ratio = marginal.or(m.marginal).or(m.cold).unwrap_or(1.0);
-        return (
-            Ruler {
-                base_real: real as f64,
-                base_estimate: est as f64,
-                ratio,
-            },
-            Src::Calibrated,
-        );
-    }
-    match m.cold.or(m.marginal) {
-        Some(ratio) => (
-            Ruler {
-                base_real: 0.0,
-                base_estimate: 0.0,
-                ratio,
-            },
-            Src::Calibrated,
-        ),
-        None => (
-            Ruler {
-                base_real: 0.0,
-                base_estimate: 0.0,
-                ratio: 1.0,
-            },
-            Src::Estimate,
-        ),
-    }
-}
-
-/// A provider count replaces a cold projection and becomes the ruler's base.
-fn apply_counted(ruler: Ruler, src: Src, counted: Option<u64>, estimate: u64) -> (u64, Src, Ruler) {
-    match counted {
-        Some(n) => (
-            n,
-            Src::Counted,
-            Ruler {
-                base_real: n as f64,
-                base_estimate: estimate as f64,
-                ratio: ruler.ratio,
-            },
-        ),
-        None => (ruler.measure(estimate), src, ruler),
-    }
-}
-
-fn utilization(r: &Record) -> Option<f64> {
-    r.window
-        .filter(|w| *w > 0)
-        .map(|w| r.projection as f64 / w as f64)
-}
-
-/// A `list` candidate: (utilisation, LRU order, key, credential).
-type Candidate = (OrdF64, u64, Box<str>, Box<str>);
-
-/// `f64` with a total order, for sorting by utilisation.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct OrdF64(f64);
-impl Eq for OrdF64 {}
-impl PartialOrd for OrdF64 {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for OrdF64 {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0)
-    }
-}
-
-/// `Api` as its label string in stored records.
-mod api_name {
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-
-    use crate::provider::Api;
-
-    const ALL: [Api; 5] = [
-        Api::OpenAiChat,
-        Api::OpenAiResponses,
-        Api::Anthropic,
-        Api::Gemini,
-        Api::Ollama,
-    ];
-
-    pub fn serialize<S: Serializer>(api: &Api, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(api.as_str())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Api, D::Error> {
-        let s = String::deserialize(d)?;
-        ALL.iter()
-            .copied()
-            .find(|a| a.as_str() == s)
-            .ok_or_else(|| D::Error::custom(format!("unknown api {s}")))
-    }
-}
-
-/// What a shared state backend (`--state redis://`) knows about a session
-/// before it is projected: handed to [`Sessions::begin_shared`].
-#[derive(Debug, Clone, Default)]
-pub struct Shared {
-    /// The request's place in the session's global order (the backend's
-    /// counter); the ticket gets it unless this process is already past it.
-    pub seq: u64,
-    /// The newest stored record, if any.
-    pub record: Option<Record>,
-    /// The sequence that record was stored with, or a delete's tombstone
-    /// (`record` is `None` then); 0 if none.
-    pub record_seq: u64,
-    /// Cumulative tokens summed over every replica: input (cached
-    /// included), cached input, output.
-    pub spend: (u64, u64, u64),
-    /// The model's calibration learned by every replica: (cold, marginal).
-    pub model: (Option<f64>, Option<f64>),
-}
-
-impl Ticket {
-    /// (credential, key) of the session, `None` for key-less requests.
-    pub fn session(&self) -> Option<(&str, &str)> {
-        self.id.as_ref().map(|(c, k)| (&**c, &**k))
-    }
-
-    /// The request's sequence in its session.
-    pub fn seq(&self) -> u64 {
-        self.seq
-    }
-
-    pub fn model(&self) -> Option<&str> {
-        self.model.as_deref()
-    }
-}
-
-impl Sessions {
-    /// [`Sessions::begin`] after taking in what a shared backend holds: the
-    /// stored record replaces the local one unless this process heard a
-    /// newer response; a delete's tombstone drops the local anchor; spend is
-    /// the larger of the shared and local sums; the model's calibration is
-    /// the shared one. `None` (no backend, or it is down): [`Sessions::begin`].
-    pub fn begin_shared(&self, facts: RequestFacts, shared: Option<Shared>) -> Begun {
-        let Some(sh) = shared else {
-            return self.begin(facts);
-        };
-        let Some(key) = facts.key.as_deref() else {
-            return self.begin(facts);
-        };
-        if sh.model.0.is_some() || sh.model.1.is_some() {
-            self.learn_model(facts.model.as_deref(), |c| {
-                c.cold = sh.model.0.or(c.cold);
-                c.marginal = sh.model.1.or(c.marginal);
-            });
-        }
-        let cred = facts.credential.as_str();
-        let (before, after) = {
-            let (mut slot, idx, created) = self.slot(key, cred, || match &sh.record {
-                Some(r) if *r.credential == *cred => r.clone(),
-                _ => Record::new(cred, facts.api, facts.model.as_deref()),
-            });
-            let rec = &mut slot[idx];
-            let before = rec.state;
-            if !created {
-                match &sh.record {
-                    Some(r) if *r.credential == *cred && r.last_ok_seq >= rec.last_ok_seq => {
-                        let (touch, idle) = (rec.touch, rec.idle_ms);
-                        let seq = rec.seq;
-                        *rec = r.clone();
-                        rec.touch = touch;
-                        rec.idle_ms = idle;
-                        rec.seq = rec.seq.max(seq);
-                    }
-                    None if sh.record_seq > 0
-                        && rec.fence <= sh.record_seq
-                        && rec.last_ok_seq < sh.record_seq =>
-                    {
-                        // Another replica answered `DELETE /sessions/{key}`.
-                        rec.anchor = None;
-                        rec.fence = sh.record_seq + 1;
-                        rec.reset_pending = true;
-                    }
-                    _ => {}
-                }
-            }
-            rec.cum_input = rec.cum_input.max(sh.spend.0);
-            rec.cum_cached = rec.cum_cached.max(sh.spend.1);
-            rec.cum_output = rec.cum_output.max(sh.spend.2);
-            if rec.seq < sh.seq {
-                rec.seq = sh.seq - 1;
-            }
-            rec.state = rec.derive_state();
-            (before, rec.state)
-        };
-        self.transition(before, after);
-        self.begin(facts)
-    }
-
-    /// The credentials this process holds a session of `key` under.
-    pub fn credentials(&self, key: &str) -> Vec<String> {
-        self.map
-            .get(key)
-            .map(|v| v.iter().map(|r| r.credential.to_string()).collect())
-            .unwrap_or_default()
-    }
-
-    /// The model's calibration this process holds: (cold, marginal).
-    pub fn model_calibration(&self, model: Option<&str>) -> (Option<f64>, Option<f64>) {
-        let c = self.model_cal(model);
-        (c.cold, c.marginal)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
+    use crate::metrics;
 
     #[test]
     fn decimal_matches_float_formatting() {
@@ -1386,17 +571,13 @@ mod tests {
         [0, 1, 2, 3].map(|i| now[i] - base[i])
     }
 
-    fn facts(key: &str, estimate: u64) -> RequestFacts {
+    fn facts(key: &str, estimate: u64) -> RequestFacts<'static> {
         RequestFacts {
             key: Some(key.into()),
-            credential: "none".into(),
             api: Api::Anthropic,
             model: Some("gauge-model".into()),
             estimate,
-            reset: false,
-            window: None,
-            counted: None,
-            continues: None,
+            ..Default::default()
         }
     }
 
@@ -1407,8 +588,8 @@ mod tests {
                 total_context: real,
                 ..Default::default()
             },
-            response_id: None,
             completed: true,
+            ..Default::default()
         }
     }
 
@@ -1422,24 +603,39 @@ mod tests {
             ttl: Duration::from_secs(60),
             max_sessions: 10,
         });
+        let lanes = || metrics::get().lanes.get();
+        let lanes0 = lanes();
         let b = s.begin(facts("g1", 100));
         let b2 = s.begin(facts("g2", 100));
         assert_eq!(delta(base), [2, 0, 0, 0]);
+        assert_eq!(lanes() - lanes0, 2);
         s.finish(b.ticket, outcome(Some(120)));
+        assert_eq!(delta(base), [1, 1, 0, 0]);
+        // A side call on another model: a lane more, the session's state
+        // is its latest lane's.
+        let mut side = facts("g1", 30);
+        side.model = Some("gauge-side-model".into());
+        let b = s.begin(side);
+        assert_eq!(lanes() - lanes0, 3);
+        assert_eq!(delta(base), [2, 0, 0, 0]);
+        s.finish(b.ticket, outcome(Some(40)));
         assert_eq!(delta(base), [1, 1, 0, 0]);
         s.finish(b2.ticket, outcome(None));
         let b = s.begin(facts("g2", 110));
         assert_eq!(b.projection.src, Src::Lost);
         assert_eq!(delta(base), [0, 1, 0, 1]);
-        assert!(s.reset("g1"));
+        assert!(s.reset("g1", None));
         assert_eq!(delta(base), [0, 0, 1, 1]);
         s.sweep(Instant::now() + Duration::from_secs(120));
         assert_eq!(s.len(), 0);
         assert_eq!(delta(base), [0, 0, 0, 0]);
+        assert_eq!(lanes(), lanes0);
         s.begin(facts("g3", 100));
         assert_eq!(delta(base), [1, 0, 0, 0]);
+        assert_eq!(lanes() - lanes0, 1);
         drop(s);
         assert_eq!(delta(base), [0, 0, 0, 0]);
+        assert_eq!(lanes(), lanes0);
     }
 
     #[test]
@@ -1481,13 +677,5 @@ mod tests {
         assert_eq!(r.measure(0), 0);
         assert_eq!(r.measure(1000), 100);
         assert_eq!(r.measure(1010), 120);
-    }
-
-    #[test]
-    fn turns_left_from_growth() {
-        assert_eq!(turns_left(100, Some(1000), Some(100.0)), Some(9));
-        assert_eq!(turns_left(2000, Some(1000), Some(100.0)), Some(0));
-        assert_eq!(turns_left(100, None, Some(100.0)), None);
-        assert_eq!(turns_left(100, Some(1000), None), None);
     }
 }

@@ -1,29 +1,40 @@
 //! Shared session state in Redis (`--state redis://host:port/db`, `rediss://`):
-//! one pipelined round trip per request, monotonic compare-and-set stores, and
-//! an outage that is loud once and never stops the proxy.
+//! one pipelined round trip per request, compare-and-set stores per lane,
+//! and an outage that is loud once and never stops the proxy.
+//!
+//! [`Shared`] is the store the spine sees: it keeps this replica's own copy
+//! of its sessions ([`Sessions`]), takes in what Redis holds before a
+//! request is projected, and writes back what the response changed.
+//! [`RedisState`] is the backend underneath it.
 //!
 //! # Keys
 //!
-//! Every key of one session carries the session id in a hash tag, so a Redis
-//! Cluster keeps them on one slot and the Lua scripts may touch them together:
+//! Every key of one session carries the session id (`credential:key`) in a
+//! hash tag, so a Redis Cluster keeps them on one slot and the Lua scripts
+//! may touch them together:
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `tidemark:v1:{SID}:seq` | string | the session's request counter: one global order across replicas |
-//! | `tidemark:v1:{SID}:rec` | hash | `s` the record's sequence, `d` the record bytes (absent after [`RedisState::delete`]) |
-//! | `tidemark:v1:{SID}:spend` | hash | `i`, `c`, `o`: cumulative input, cached input and output tokens |
-//! | `tidemark:v1:model:{MODEL}` | hash | per-model calibration fields (`cold`, `marginal`) |
+//! | `tidemark:v2:{SID}:seq` | string | the session's request counter: one global order across replicas |
+//! | `tidemark:v2:{SID}:rec` | hash | per lane `l:<lane>` its record and `s:<lane>` the sequence it was stored at; `m` the session's own fields and `ms` their sequence; `del` a `DELETE`'s tombstone; `top` the highest sequence stored |
+//! | `tidemark:v2:{SID}:spend` | hash | `i`, `c`, `o`: cumulative input, cached input and output tokens; `t` turns; `k` compactions |
+//! | `tidemark:v2:model:{MODEL}` | hash | per-model calibration fields (`cold`, `marginal`) |
+//! | `tidemark:v2:sessions` | sorted set | session ids by when they were last written: `/sessions` |
+//! | `tidemark:v2:key:{KEY}` | sorted set | the credentials a key is held under, by when: `/sessions/{key}` |
 //!
 //! Session keys expire after the session TTL of inactivity; model keys after
 //! [`MODEL_TTL`]. Ids longer than [`MAX_ID_BYTES`] are replaced by their SHA-256.
 //!
-//! # Monotonic
+//! # Monotonic, per lane
 //!
 //! [`RedisState::begin`] hands out the next sequence, never at or below the
-//! stored record's (so a counter lost to an expiry or a Redis restart cannot
-//! go back under a record that survived or was re-stored by a request in
-//! flight); [`RedisState::store`] writes only a sequence above the stored one.
-//! An older request's record never overwrites a newer one's.
+//! highest one stored (so a counter lost to an expiry or a Redis restart
+//! cannot go back under a record that survived or was re-stored by a request
+//! in flight); [`RedisState::store`] writes a lane only at a sequence above
+//! the one that lane was stored at, and above a `DELETE`'s tombstone. An
+//! older request never overwrites a newer one's lane, and a request in lane
+//! B never discards lane A: each lane has its own compare-and-set, while
+//! spend and turns are increments summed over the session.
 //!
 //! # Outages
 //!
@@ -41,8 +52,14 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::OnceCell;
+
+use super::lane::{api_name, Lane, Session, MAX_LANES};
+use super::memory::SharedView;
+use super::{Begun, KeySource, Outcome, RequestFacts, SessionConfig, Sessions, Ticket};
+use crate::provider::Api;
 
 /// Bound on one operation on the hot path, connection wait included.
 pub const OP_TIMEOUT: Duration = Duration::from_millis(100);
@@ -58,46 +75,88 @@ pub const MODEL_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 /// Session ids and model names longer than this are keyed by their SHA-256,
 /// so a client-controlled string cannot make a huge key.
 pub const MAX_ID_BYTES: usize = 256;
+/// Sessions one `/sessions` listing reads from Redis at most.
+const MAX_LISTED: usize = 10_000;
+/// Sessions read per round trip when listing.
+const LIST_BATCH: usize = 128;
 
-/// Hot-path script: next sequence (kept above the stored record's), the
-/// record, the spend totals; refreshes the session TTL on all three keys.
+/// Hot-path script: next sequence (kept above the highest stored), the
+/// session's record and its totals; refreshes the session TTL on all three keys.
 const BEGIN_LUA: &str = r#"
 local seq = redis.call('INCR', KEYS[1])
-local rec = redis.call('HMGET', KEYS[2], 's', 'd')
-local rs = tonumber(rec[1]) or 0
-if seq <= rs then
-  seq = rs + 1
+local top = tonumber(redis.call('HGET', KEYS[2], 'top')) or 0
+if seq <= top then
+  seq = top + 1
   redis.call('SET', KEYS[1], string.format('%d', seq))
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[3], ARGV[1])
-local sp = redis.call('HMGET', KEYS[3], 'i', 'c', 'o')
-return {seq, rs, rec[2], sp[1], sp[2], sp[3]}
+return {seq, redis.call('HGETALL', KEYS[2]), redis.call('HMGET', KEYS[3], 'i', 'c', 'o', 't', 'k')}
 "#;
 
-/// Compare-and-set: store only above the stored sequence; keep the counter
-/// at or above it too.
+/// A response's write-back: its lane if its sequence is above that lane's
+/// and any tombstone (compare-and-set), the session's fields if above
+/// theirs, its tokens, turn and compaction added; at most ARGV[11] lanes,
+/// the least recently stored going first; the counter kept at or above it.
+/// Returns whether the lane was stored.
 const STORE_LUA: &str = r#"
-local cur = tonumber(redis.call('HGET', KEYS[1], 's')) or 0
 local s = tonumber(ARGV[1])
-if s <= cur then return 0 end
-redis.call('HSET', KEYS[1], 's', ARGV[1], 'd', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local del = tonumber(redis.call('HGET', KEYS[1], 'del')) or 0
+local stored = 0
+if ARGV[2] ~= '' and s > del then
+  local cur = tonumber(redis.call('HGET', KEYS[1], 's:' .. ARGV[2])) or 0
+  if s > cur then
+    redis.call('HSET', KEYS[1], 's:' .. ARGV[2], ARGV[1], 'l:' .. ARGV[2], ARGV[3])
+    stored = 1
+  end
+end
+local ms = tonumber(redis.call('HGET', KEYS[1], 'ms')) or 0
+if s > ms then redis.call('HSET', KEYS[1], 'ms', ARGV[1], 'm', ARGV[4]) end
+local top = tonumber(redis.call('HGET', KEYS[1], 'top')) or 0
+if s > top then redis.call('HSET', KEYS[1], 'top', ARGV[1]) end
+local cap = tonumber(ARGV[11])
+if redis.call('HLEN', KEYS[1]) > 2 * cap + 4 then
+  local all = redis.call('HGETALL', KEYS[1])
+  local lanes = {}
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 's:' then
+      table.insert(lanes, {tonumber(all[i + 1]) or 0, string.sub(all[i], 3)})
+    end
+  end
+  table.sort(lanes, function(a, b) return a[1] < b[1] end)
+  for i = 1, #lanes - cap do
+    redis.call('HDEL', KEYS[1], 's:' .. lanes[i][2], 'l:' .. lanes[i][2])
+  end
+end
+local fields = {'i', 'c', 'o', 't', 'k'}
+for j = 1, 5 do
+  if ARGV[5 + j] ~= '0' then redis.call('HINCRBY', KEYS[3], fields[j], ARGV[5 + j]) end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
 local c = tonumber(redis.call('GET', KEYS[2])) or 0
-if c < s then redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3]) end
-return 1
+if c < s then redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[5]) end
+return stored
 "#;
 
-/// Drop the record but leave a tombstone at the newest sequence handed out,
-/// so a request begun before the delete cannot bring the old record back.
+/// `DELETE /sessions/{key}`: a tombstone at the newest sequence handed out,
+/// so a request begun before it cannot bring an anchor back, and every
+/// lane stored before it is read without its anchor. Lanes keep their
+/// calibration, the totals keep counting. Returns {tombstone, whether the
+/// session had a record}.
 const DELETE_LUA: &str = r#"
+local existed = redis.call('HEXISTS', KEYS[2], 'm')
 local c = redis.call('INCR', KEYS[1])
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[2], 's', string.format('%d', c))
+local top = tonumber(redis.call('HGET', KEYS[2], 'top')) or 0
+if c <= top then
+  c = top + 1
+  redis.call('SET', KEYS[1], string.format('%d', c))
+end
+redis.call('HSET', KEYS[2], 'del', string.format('%d', c), 'top', string.format('%d', c))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return c
+return {c, existed}
 "#;
 
 /// Exponentially weighted mean of one calibration field, shared by replicas.
@@ -142,15 +201,21 @@ impl std::fmt::Display for StateError {
 
 impl std::error::Error for StateError {}
 
-/// Cumulative tokens of one session, summed over every replica.
+/// A session's totals, summed over every replica: increments, not a
+/// compare-and-set, so none is lost to a race.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Spend {
+pub struct Totals {
+    /// Real prompt tokens, cached included.
     pub input: u64,
     pub cached_input: u64,
     pub output: u64,
+    /// 2xx responses.
+    pub turns: u64,
+    /// Compactions detected.
+    pub compactions: u64,
 }
 
-/// Calibration learned across sessions for one model (see `session.rs`'s
+/// Calibration learned across sessions for one model (see `lane.rs`'s
 /// `ModelCal`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ModelCalibration {
@@ -176,19 +241,43 @@ impl CalField {
     }
 }
 
+/// What Redis holds of one session's record, as bytes.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stored {
+    /// The session's own fields, if any response was stored.
+    pub meta: Option<Vec<u8>>,
+    /// Each lane: (lane field name, the sequence it was stored at, its record).
+    pub lanes: Vec<(String, u64, Vec<u8>)>,
+    /// A `DELETE`'s tombstone sequence; 0 if none.
+    pub deleted: u64,
+    /// The highest sequence stored (or tombstone).
+    pub top: u64,
+    pub totals: Totals,
+}
+
 /// What a request learns from Redis before it is projected.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Begin {
     /// This request's place in the session's global order: pass it to
-    /// [`RedisState::store`]. Always above `record_seq`.
+    /// [`RedisState::store`]. Always above `stored.top`.
     pub seq: u64,
-    /// The newest stored record, if any.
-    pub record: Option<Vec<u8>>,
-    /// The sequence the record was stored with (or a delete's tombstone); 0 if none.
-    pub record_seq: u64,
-    pub spend: Spend,
+    pub stored: Stored,
     /// Empty when `begin` was given no model.
     pub model: ModelCalibration,
+}
+
+/// What one response changes in Redis ([`RedisState::store`]).
+#[derive(Debug, Clone, Default)]
+pub struct Write<'a> {
+    /// The lane's field name ([`super::lane_hex`]) and record, if any.
+    pub lane: Option<(&'a str, &'a [u8])>,
+    /// The session's own fields.
+    pub meta: &'a [u8],
+    /// Added to the session's totals.
+    pub add: Totals,
+    /// The session key and credential, for the listing indexes.
+    pub key: &'a str,
+    pub credential: &'a str,
 }
 
 /// A Redis state backend. Cheap to clone: clones share one multiplexed,
@@ -240,21 +329,34 @@ fn id_part(id: &str) -> std::borrow::Cow<'_, str> {
     if id.len() <= MAX_ID_BYTES {
         return id.into();
     }
-    format!("h:{}", crate::session::hex(&Sha256::digest(id.as_bytes()))).into()
+    format!("h:{}", super::hex(&Sha256::digest(id.as_bytes()))).into()
 }
 
-/// The three keys of one session: counter, record, spend.
+/// The three keys of one session: counter, record, totals.
 fn session_keys(session_id: &str) -> [String; 3] {
     let id = id_part(session_id);
     [
-        format!("tidemark:v1:{{{id}}}:seq"),
-        format!("tidemark:v1:{{{id}}}:rec"),
-        format!("tidemark:v1:{{{id}}}:spend"),
+        format!("tidemark:v2:{{{id}}}:seq"),
+        format!("tidemark:v2:{{{id}}}:rec"),
+        format!("tidemark:v2:{{{id}}}:spend"),
     ]
 }
 
 fn model_key(model: &str) -> String {
-    format!("tidemark:v1:model:{{{}}}", id_part(model))
+    format!("tidemark:v2:model:{{{}}}", id_part(model))
+}
+
+/// Every session id, by when it was last written.
+const SESSIONS_INDEX: &str = "tidemark:v2:sessions";
+
+/// The credentials a session key is held under, by when.
+fn key_index(key: &str) -> String {
+    format!("tidemark:v2:key:{{{}}}", id_part(key))
+}
+
+/// The shared backend's id of a session: the credential hash and the key.
+pub fn session_id(credential: &str, key: &str) -> String {
+    format!("{credential}:{key}")
 }
 
 /// A connection-level failure (the outage kind), as opposed to an error reply.
@@ -299,27 +401,66 @@ fn f64_of(v: &Value) -> Result<Option<f64>, StateError> {
     }
 }
 
+fn bytes_of(v: &Value) -> Result<&[u8], StateError> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.as_bytes()),
+        _ => Err(StateError::Protocol("expected bytes")),
+    }
+}
+
+/// A record hash (HGETALL, a flat list or a RESP3 map) and its totals.
+fn parse_stored(rec: &Value, totals: &Value) -> Result<Stored, StateError> {
+    let pairs: Vec<(&Value, &Value)> = match rec {
+        Value::Array(items) => items.chunks_exact(2).map(|p| (&p[0], &p[1])).collect(),
+        Value::Map(m) => m.iter().map(|(k, v)| (k, v)).collect(),
+        Value::Nil => Vec::new(),
+        _ => return Err(StateError::Protocol("record: expected a hash")),
+    };
+    let mut st = Stored::default();
+    let mut seqs: Vec<(&[u8], u64)> = Vec::new();
+    let mut lanes: Vec<(&[u8], &[u8])> = Vec::new();
+    for (k, v) in pairs {
+        let k = bytes_of(k)?;
+        match k {
+            b"m" => st.meta = Some(bytes_of(v)?.to_vec()),
+            b"del" => st.deleted = u64_of(v)?,
+            b"top" => st.top = u64_of(v)?,
+            b"ms" => {}
+            _ if k.starts_with(b"s:") => seqs.push((&k[2..], u64_of(v)?)),
+            _ if k.starts_with(b"l:") => lanes.push((&k[2..], bytes_of(v)?)),
+            _ => {}
+        }
+    }
+    for (name, record) in lanes {
+        let seq = seqs.iter().find(|(n, _)| *n == name).map_or(0, |(_, s)| *s);
+        let name = String::from_utf8_lossy(name).into_owned();
+        st.lanes.push((name, seq, record.to_vec()));
+    }
+    let field = |items: &[Value], i: usize| items.get(i).map(u64_of).unwrap_or(Ok(0));
+    st.totals = match totals {
+        Value::Array(items) => Totals {
+            input: field(items, 0)?,
+            cached_input: field(items, 1)?,
+            output: field(items, 2)?,
+            turns: field(items, 3)?,
+            compactions: field(items, 4)?,
+        },
+        Value::Nil => Totals::default(),
+        _ => return Err(StateError::Protocol("totals: expected an array")),
+    };
+    Ok(st)
+}
+
 fn parse_begin(script: Value, model: Option<Value>) -> Result<Begin, StateError> {
     let Value::Array(items) = script else {
         return Err(StateError::Protocol("begin: expected an array"));
     };
-    if items.len() < 3 {
-        return Err(StateError::Protocol("begin: short array"));
-    }
-    let seq = u64_of(&items[0])?;
-    let record_seq = u64_of(&items[1])?;
-    let record = match &items[2] {
-        Value::BulkString(b) => Some(b.clone()),
-        Value::Nil => None,
-        _ => return Err(StateError::Protocol("begin: record is not bytes")),
+    let [seq, rec, totals] = items.as_slice() else {
+        return Err(StateError::Protocol("begin: expected three parts"));
     };
-    // Lua stops an array at its first nil: missing spend fields are zero.
-    let field = |i: usize| items.get(i).map(u64_of).unwrap_or(Ok(0));
-    let spend = Spend {
-        input: field(3)?,
-        cached_input: field(4)?,
-        output: field(5)?,
-    };
+    let seq = u64_of(seq)?;
+    let stored = parse_stored(rec, totals)?;
     let model = match model {
         None => ModelCalibration::default(),
         Some(Value::Array(m)) if m.len() == 2 => ModelCalibration {
@@ -328,13 +469,7 @@ fn parse_begin(script: Value, model: Option<Value>) -> Result<Begin, StateError>
         },
         Some(_) => return Err(StateError::Protocol("begin: model calibration shape")),
     };
-    Ok(Begin {
-        seq,
-        record,
-        record_seq,
-        spend,
-        model,
-    })
+    Ok(Begin { seq, stored, model })
 }
 
 impl RedisState {
@@ -379,7 +514,7 @@ impl RedisState {
     }
 
     /// One round trip: the session's next sequence, its stored record and
-    /// spend, and the model's calibration.
+    /// totals, and the model's calibration.
     pub async fn begin(&self, session_id: &str, model: Option<&str>) -> Result<Begin, StateError> {
         let keys = session_keys(session_id);
         let mkey = model.map(model_key);
@@ -408,51 +543,98 @@ impl RedisState {
         .await
     }
 
-    /// Stores `record` as the session's record if `seq` (from [`begin`]) is
-    /// above the stored one, and refreshes the TTL. Returns whether it was
-    /// stored: false means a newer request (or a delete) got there first.
+    /// What Redis holds of a session, read only (`GET /sessions/{key}`);
+    /// `None` when no response of it was stored.
+    pub async fn read(&self, session_id: &str) -> Result<Option<Stored>, StateError> {
+        Ok(self.read_many(&[session_id]).await?.pop().flatten())
+    }
+
+    /// [`RedisState::read`] of several sessions in one round trip.
+    pub async fn read_many(&self, session_ids: &[&str]) -> Result<Vec<Option<Stored>>, StateError> {
+        self.run(|mut conn| async move {
+            let mut pipe = redis::pipe();
+            for sid in session_ids {
+                let keys = session_keys(sid);
+                pipe.cmd("HGETALL").arg(&keys[1]);
+                pipe.cmd("HMGET")
+                    .arg(&keys[2])
+                    .arg("i")
+                    .arg("c")
+                    .arg("o")
+                    .arg("t")
+                    .arg("k");
+            }
+            let out: Vec<Value> = pipe.query_async(&mut conn).await?;
+            let mut read = Vec::with_capacity(session_ids.len());
+            for pair in out.chunks_exact(2) {
+                let st = parse_stored(&pair[0], &pair[1])?;
+                read.push(st.meta.is_some().then_some(st));
+            }
+            Ok(read)
+        })
+        .await
+    }
+
+    /// Writes back what one response changed, for the request that begun at
+    /// `seq` ([`begin`]): its lane (compare-and-set, see the module doc),
+    /// the session's own fields, its totals, and the listing indexes; then
+    /// refreshes the TTL. Returns whether the lane was stored: false means
+    /// a newer request of that lane (or a delete) got there first.
     ///
     /// [`begin`]: RedisState::begin
     pub async fn store(
         &self,
         session_id: &str,
         seq: u64,
-        record: &[u8],
+        w: Write<'_>,
     ) -> Result<bool, StateError> {
         let keys = session_keys(session_id);
+        let kidx = key_index(w.key);
         let inner = &*self.inner;
+        let now = super::wall_ms();
+        let (lane, record) = w.lane.unwrap_or(("", b""));
         self.run(|mut conn| async move {
             let mut inv = inner.store.key(&keys[1]);
-            inv.key(&keys[0]).arg(seq).arg(record).arg(inner.ttl_ms);
-            let stored: i64 = inv.invoke_async(&mut conn).await?;
-            Ok(stored == 1)
-        })
-        .await
-    }
-
-    /// Adds to the session's cumulative token counters. Increments, not a
-    /// compare-and-set: every replica's spend counts, none is lost to a race.
-    pub async fn add_spend(
-        &self,
-        session_id: &str,
-        input: u64,
-        cached: u64,
-        output: u64,
-    ) -> Result<(), StateError> {
-        let keys = session_keys(session_id);
-        let inner = &*self.inner;
-        self.run(|mut conn| async move {
-            let k = &keys[2];
-            let mut pipe = redis::pipe();
-            pipe.atomic();
-            // HINCRBY takes a signed 64-bit increment.
-            for (field, n) in [("i", input), ("c", cached), ("o", output)] {
-                let n = i64::try_from(n).unwrap_or(i64::MAX);
-                pipe.cmd("HINCRBY").arg(k).arg(field).arg(n).ignore();
+            inv.key(&keys[0])
+                .key(&keys[2])
+                .arg(seq)
+                .arg(lane)
+                .arg(record)
+                .arg(w.meta)
+                .arg(inner.ttl_ms);
+            for n in [
+                w.add.input,
+                w.add.cached_input,
+                w.add.output,
+                w.add.turns,
+                w.add.compactions,
+            ] {
+                // HINCRBY takes a signed 64-bit increment.
+                inv.arg(n.min(i64::MAX as u64));
             }
-            pipe.cmd("PEXPIRE").arg(k).arg(inner.ttl_ms).ignore();
+            inv.arg(MAX_LANES);
+            let stored: i64 = inv.invoke_async(&mut conn).await?;
+            // The indexes: not on the session's slot, so not in its script.
+            let mut pipe = redis::pipe();
+            let stale = now.saturating_sub(inner.ttl_ms);
+            pipe.cmd("ZADD")
+                .arg(SESSIONS_INDEX)
+                .arg(now)
+                .arg(session_id)
+                .ignore();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(SESSIONS_INDEX)
+                .arg("-inf")
+                .arg(format!("({stale}"))
+                .ignore();
+            pipe.cmd("ZADD")
+                .arg(&kidx)
+                .arg(now)
+                .arg(w.credential)
+                .ignore();
+            pipe.cmd("PEXPIRE").arg(&kidx).arg(inner.ttl_ms).ignore();
             pipe.query_async::<()>(&mut conn).await?;
-            Ok(())
+            Ok(stored == 1)
         })
         .await
     }
@@ -498,17 +680,61 @@ impl RedisState {
             .map(|_| ())
     }
 
-    /// Drops the session's record (anchor and all). The sequence counter and
-    /// the spend stay: requests begun before the delete cannot store the old
-    /// record back, and the budget keeps counting.
-    pub async fn delete(&self, session_id: &str) -> Result<(), StateError> {
+    /// `DELETE /sessions/{key}`: a tombstone at the newest sequence handed
+    /// out; a request begun before it cannot store its lane, and every lane
+    /// stored before it reads without its anchor. Returns its sequence and
+    /// whether a response of the session had been stored.
+    pub async fn delete(&self, session_id: &str) -> Result<(u64, bool), StateError> {
         let keys = session_keys(session_id);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
             let mut inv = inner.delete.key(&keys[0]);
             inv.key(&keys[1]).arg(inner.ttl_ms);
-            let _: i64 = inv.invoke_async(&mut conn).await?;
-            Ok(())
+            let v: Value = inv.invoke_async(&mut conn).await?;
+            match v {
+                Value::Array(a) if a.len() == 2 => Ok((u64_of(&a[0])?, u64_of(&a[1])? == 1)),
+                _ => Err(StateError::Protocol("delete: expected two values").into()),
+            }
+        })
+        .await
+    }
+
+    /// The session ids written within the TTL, most recent first, at most `max`.
+    pub async fn sessions(&self, max: usize) -> Result<Vec<String>, StateError> {
+        let inner = &*self.inner;
+        self.run(|mut conn| async move {
+            let stale = super::wall_ms().saturating_sub(inner.ttl_ms);
+            let mut pipe = redis::pipe();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(SESSIONS_INDEX)
+                .arg("-inf")
+                .arg(format!("({stale}"))
+                .ignore();
+            pipe.cmd("ZREVRANGE")
+                .arg(SESSIONS_INDEX)
+                .arg(0)
+                .arg(max.saturating_sub(1));
+            let (ids,): (Vec<String>,) = pipe.query_async(&mut conn).await?;
+            Ok(ids)
+        })
+        .await
+    }
+
+    /// The credentials `key` was written under within the TTL, most recent first.
+    pub async fn credentials(&self, key: &str) -> Result<Vec<String>, StateError> {
+        let kidx = key_index(key);
+        let inner = &*self.inner;
+        self.run(|mut conn| async move {
+            let stale = super::wall_ms().saturating_sub(inner.ttl_ms);
+            let mut pipe = redis::pipe();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(&kidx)
+                .arg("-inf")
+                .arg(format!("({stale}"))
+                .ignore();
+            pipe.cmd("ZREVRANGE").arg(&kidx).arg(0).arg(-1);
+            let (creds,): (Vec<String>,) = pipe.query_async(&mut conn).await?;
+            Ok(creds)
         })
         .await
     }
@@ -693,5 +919,437 @@ async fn probe_loop(weak: Weak<Inner>) {
         inner.outage("no answer to PING");
         drop(inner);
         tokio::time::sleep(PROBE_INTERVAL).await;
+    }
+}
+
+/// The session's own fields in its record (`m`): what its lanes do not say.
+#[derive(Debug, Serialize, Deserialize)]
+struct Meta {
+    credential: Box<str>,
+    #[serde(with = "api_name")]
+    api: Api,
+    source: KeySource,
+    last_seen_ms: u64,
+    /// The lane that served the latest request stored.
+    latest: u64,
+}
+
+/// What Redis holds of a session, decoded for [`Sessions::merge`]. A lane
+/// that does not decode (another version's) is left out.
+fn shared_view(st: Stored, model: ModelCalibration) -> SharedView {
+    let meta = st
+        .meta
+        .as_deref()
+        .and_then(|m| serde_json::from_slice::<Meta>(m).ok());
+    SharedView {
+        api: meta.as_ref().map(|m| m.api),
+        source: meta.as_ref().map(|m| m.source),
+        lanes: lanes_of(&st),
+        deleted: st.deleted,
+        turns: st.totals.turns,
+        compactions: u32::try_from(st.totals.compactions).unwrap_or(u32::MAX),
+        spend: (st.totals.input, st.totals.cached_input, st.totals.output),
+        model: (model.cold, model.marginal),
+    }
+}
+
+fn lanes_of(st: &Stored) -> Vec<Lane> {
+    st.lanes
+        .iter()
+        .filter_map(|(_, seq, bytes)| {
+            let mut l = serde_json::from_slice::<Lane>(bytes).ok()?;
+            l.ver = l.ver.max(*seq);
+            Some(l)
+        })
+        .collect()
+}
+
+/// The shared record as a session object's source: every lane stored, the
+/// anchors a `DELETE` came after dropped, the totals of every replica.
+fn session_of(st: Stored) -> Option<Session> {
+    let meta = serde_json::from_slice::<Meta>(st.meta.as_deref()?).ok()?;
+    let mut s = Session::new(&meta.credential, meta.api, meta.source);
+    s.lanes = lanes_of(&st);
+    if st.deleted > 0 {
+        for l in s.lanes.iter_mut().filter(|l| l.fence <= st.deleted) {
+            l.reset(st.deleted);
+        }
+    }
+    s.seq = st.top;
+    s.turns = st.totals.turns;
+    s.compactions = u32::try_from(st.totals.compactions).unwrap_or(u32::MAX);
+    s.cum_input = st.totals.input;
+    s.cum_cached = st.totals.cached_input;
+    s.cum_output = st.totals.output;
+    s.last_seen_ms = meta.last_seen_ms;
+    s.latest = meta.latest;
+    Some(s)
+}
+
+/// Sessions shared by every replica through Redis: the store the spine
+/// sees with `--state redis://`. This replica keeps its own copy
+/// ([`Sessions`]), which serves while Redis is away.
+pub struct Shared {
+    local: Sessions,
+    backend: RedisState,
+}
+
+impl Shared {
+    pub fn new(url: &str, cfg: SessionConfig) -> Result<Self, String> {
+        let backend = RedisState::new(url, cfg.ttl)?;
+        Ok(Shared {
+            local: Sessions::new(cfg),
+            backend,
+        })
+    }
+
+    pub fn local(&self) -> &Sessions {
+        &self.local
+    }
+
+    pub fn backend(&self) -> &RedisState {
+        &self.backend
+    }
+
+    /// One round trip for the session's order, record, totals and the
+    /// model's calibration; this replica's copy takes them in, then
+    /// projects. Redis away: projected from the copy alone (`local_state`).
+    pub async fn begin(&self, facts: RequestFacts<'_>) -> Begun {
+        // The chain's links are this replica's: the session is found here.
+        let resolved = self.local.resolve(
+            facts.key.clone(),
+            facts.source,
+            facts.continues.as_deref(),
+            &facts.credential,
+        );
+        let Some(r) = resolved else {
+            return self.local.begin_in_order(facts, None);
+        };
+        let sid = session_id(&facts.credential, &r.key);
+        match self.backend.begin(&sid, facts.model.as_deref()).await {
+            Ok(b) => {
+                let (cred, model) = (facts.credential.clone(), facts.model.clone());
+                self.local.merge(
+                    &r.key,
+                    &cred,
+                    model.as_deref(),
+                    shared_view(b.stored, b.model),
+                );
+                let mut begun = self.local.begin_in_order(facts, Some(b.seq));
+                begun.ticket.shared = true;
+                begun
+            }
+            Err(_) => {
+                let mut begun = self.local.begin_in_order(facts, None);
+                begun.local_state = true;
+                begun
+            }
+        }
+    }
+
+    /// This replica's copy hears the outcome; what it changed (the lane,
+    /// the session's fields, the totals, a changed model calibration) is
+    /// written back off the response path.
+    pub fn finish(&self, ticket: Ticket, outcome: Outcome) {
+        if !ticket.shared {
+            self.local.finish(ticket, outcome);
+            return;
+        }
+        let Some((credential, key)) = ticket
+            .session()
+            .map(|(c, k)| (c.to_string(), k.to_string()))
+        else {
+            return;
+        };
+        let seq = ticket.seq;
+        let model = ticket.model.as_deref().map(str::to_string);
+        let compacted = ticket.compacted;
+        let cal_before = self.local.model_calibration(model.as_deref());
+        let ok = (200..300).contains(&outcome.status) && outcome.completed;
+        let u = &outcome.usage;
+        let add = Totals {
+            input: u.total_context.unwrap_or(0),
+            cached_input: u.cached_input.unwrap_or(0),
+            output: u.output.unwrap_or(0),
+            turns: u64::from(ok),
+            compactions: u64::from(compacted),
+        };
+        let Some(changed) = self.local.finish_changed(ticket, &outcome) else {
+            return;
+        };
+        let cal_after = self.local.model_calibration(model.as_deref());
+        let lane = changed
+            .lane
+            .as_ref()
+            .and_then(|l| Some((super::lane_hex(l.id), serde_json::to_vec(l).ok()?)));
+        let meta = serde_json::to_vec(&Meta {
+            credential: changed.credential,
+            api: changed.api,
+            source: changed.source,
+            last_seen_ms: changed.last_seen_ms,
+            latest: changed.latest,
+        })
+        .unwrap_or_default();
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let backend = self.backend.clone();
+        rt.spawn(async move {
+            // Failures are counted and logged by the backend; this replica
+            // already has this response. The calibration goes first: once
+            // the record is stored, a replica that reads it reads that too.
+            if let Some(m) = model {
+                for (field, before, after) in [
+                    (CalField::Cold, cal_before.0, cal_after.0),
+                    (CalField::Marginal, cal_before.1, cal_after.1),
+                ] {
+                    if let Some(v) = after.filter(|v| Some(*v) != before) {
+                        let _ = backend.store_model_calibration(&m, field, v).await;
+                    }
+                }
+            }
+            let sid = session_id(&credential, &key);
+            let write = Write {
+                lane: lane.as_ref().map(|(n, b)| (n.as_str(), b.as_slice())),
+                meta: &meta,
+                add,
+                key: &key,
+                credential: &credential,
+            };
+            let _ = backend.store(&sid, seq, write).await;
+        });
+    }
+
+    /// `GET /sessions/{key}`: the shared record, whichever replica served
+    /// the session; this replica's copy if Redis holds none or is away.
+    pub async fn get(&self, key: &str, credential: Option<&str>) -> Option<serde_json::Value> {
+        let creds = match credential {
+            Some(c) => vec![c.to_string()],
+            None => match self.backend.credentials(key).await {
+                Ok(c) => c,
+                Err(_) => return self.local.get(key, None),
+            },
+        };
+        for c in &creds {
+            match self.backend.read(&session_id(c, key)).await {
+                Ok(Some(st)) => {
+                    if let Some(s) = session_of(st) {
+                        return Some(self.local.render(key, &s));
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => return self.local.get(key, credential),
+            }
+        }
+        self.local.get(key, credential)
+    }
+
+    /// `GET /sessions?limit=N` over the shared records.
+    pub async fn list(&self, limit: usize) -> serde_json::Value {
+        let Ok(ids) = self.backend.sessions(MAX_LISTED).await else {
+            return self.local.list(limit);
+        };
+        let mut found: Vec<(String, Session)> = Vec::new();
+        for chunk in ids.chunks(LIST_BATCH) {
+            let refs: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            let Ok(read) = self.backend.read_many(&refs).await else {
+                return self.local.list(limit);
+            };
+            for (sid, st) in chunk.iter().zip(read) {
+                let (Some(st), Some((_, key))) = (st, sid.split_once(':')) else {
+                    continue;
+                };
+                if let Some(s) = session_of(st) {
+                    found.push((key.to_string(), s));
+                }
+            }
+        }
+        let total = found.len();
+        let util = |s: &Session| s.utilization().unwrap_or(-1.0);
+        found.sort_by(|a, b| {
+            util(&b.1)
+                .total_cmp(&util(&a.1))
+                .then(b.1.last_seen_ms.cmp(&a.1.last_seen_ms))
+        });
+        found.truncate(limit);
+        let sessions: Vec<serde_json::Value> =
+            found.iter().map(|(k, s)| self.local.render(k, s)).collect();
+        serde_json::json!({"total": total, "sessions": sessions})
+    }
+
+    /// `DELETE /sessions/{key}[?credential=HASH]`: a tombstone in Redis for
+    /// that credential's session (every credential's the key is known
+    /// under, here or in Redis, without one), and the anchors dropped here.
+    pub async fn delete(&self, key: &str, credential: Option<&str>) -> bool {
+        let creds = match credential {
+            Some(c) => vec![c.to_string()],
+            None => {
+                let mut c = self.backend.credentials(key).await.unwrap_or_default();
+                for l in self.local.credentials(key) {
+                    if !c.contains(&l) {
+                        c.push(l);
+                    }
+                }
+                c
+            }
+        };
+        let mut any = false;
+        for c in &creds {
+            any |= match self.backend.delete(&session_id(c, key)).await {
+                Ok((at, existed)) => self.local.reset_at(key, Some(c), at) | existed,
+                Err(_) => self.local.reset(key, Some(c)),
+            };
+        }
+        any
+    }
+}
+
+/// What a replica does with what Redis handed it, without Redis.
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::provider::Usage;
+    use crate::session::Src;
+
+    const CRED: &str = "c0ffee00";
+
+    fn store() -> Sessions {
+        Sessions::new(SessionConfig {
+            ttl: Duration::from_secs(600),
+            max_sessions: 100,
+        })
+    }
+
+    fn facts(estimate: u64) -> RequestFacts<'static> {
+        RequestFacts {
+            key: Some("k".into()),
+            credential: CRED.into(),
+            model: Some("m".into()),
+            estimate,
+            ..Default::default()
+        }
+    }
+
+    fn ok(real: u64) -> Outcome {
+        Outcome {
+            status: 200,
+            usage: Usage {
+                total_context: Some(real),
+                output: Some(10),
+                ..Default::default()
+            },
+            completed: true,
+            ..Default::default()
+        }
+    }
+
+    /// What Redis would hand back of `s`'s session after its stores.
+    fn view_of(s: &Sessions, deleted: u64) -> SharedView {
+        let r = s.record("k", CRED).unwrap();
+        SharedView {
+            api: Some(r.api),
+            source: Some(r.source),
+            lanes: r.lanes.clone(),
+            deleted,
+            turns: r.turns,
+            compactions: r.compactions,
+            spend: (r.cum_input, r.cum_cached, r.cum_output),
+            model: (None, None),
+        }
+    }
+
+    fn begin(s: &Sessions, f: RequestFacts<'static>, seq: u64, view: SharedView) -> Begun {
+        s.merge("k", CRED, Some("m"), view);
+        s.begin_in_order(f, Some(seq))
+    }
+
+    #[test]
+    fn another_replicas_record_anchors_and_takes_the_global_sequence() {
+        let (a, b) = (store(), store());
+        let begun = begin(&a, facts(1000), 1, SharedView::default());
+        assert_eq!(begun.ticket.seq(), 1);
+        a.finish(begun.ticket, ok(1200));
+        let mut view = view_of(&a, 0);
+        view.spend = (5_000, 0, 300);
+        view.model = (None, Some(1.2));
+        let begun = begin(&b, facts(1100), 7, view);
+        assert_eq!(begun.projection.src, Src::Anchored);
+        assert_eq!(begun.ticket.seq(), 7, "the global order, not a local count");
+        // 1200 + 100 * 1.2: the anchor and the shared model ratio.
+        assert_eq!(begun.projection.tokens, 1320);
+        assert_eq!(
+            begun.spent, 5_300,
+            "the shared spend, larger than the record's"
+        );
+    }
+
+    #[test]
+    fn a_newer_local_response_beats_an_older_stored_lane() {
+        let a = store();
+        let b1 = begin(&a, facts(1000), 1, SharedView::default());
+        a.finish(b1.ticket, ok(1200));
+        let old = view_of(&a, 0);
+        let b2 = begin(&a, facts(2000), 2, SharedView::default());
+        a.finish(b2.ticket, ok(2300));
+        // Redis still holds the lane of request 1 (request 2's store in flight).
+        let b3 = begin(&a, facts(2100), 3, old);
+        assert_eq!(b3.projection.src, Src::Anchored);
+        // 2300 + 100 * 1.1 (the ratio request 2 taught); the old lane would
+        // give 1200 + 1100 * 1.0.
+        assert_eq!(b3.projection.tokens, 2410, "anchored on request 2's 2300");
+    }
+
+    #[test]
+    fn a_delete_tombstone_drops_the_local_anchor_once() {
+        let a = store();
+        let b1 = begin(&a, facts(1000), 1, SharedView::default());
+        a.finish(b1.ticket, ok(1200));
+        let tomb = |a: &Sessions| view_of(a, 2);
+        let b = begin(&a, facts(1100), 3, tomb(&a));
+        assert_ne!(b.projection.src, Src::Anchored, "another replica's DELETE");
+        assert_ne!(b.projection.src, Src::Lost);
+        a.finish(b.ticket, ok(1300));
+        // Its store has not landed yet: the same tombstone again does not
+        // drop the new anchor.
+        let b = begin(&a, facts(1200), 4, tomb(&a));
+        assert_eq!(b.projection.src, Src::Anchored);
+    }
+
+    #[test]
+    fn a_stored_record_reads_back_as_the_session_with_its_tombstone() {
+        let a = store();
+        let b1 = begin(&a, facts(1000), 1, SharedView::default());
+        a.finish(b1.ticket, ok(1200));
+        let r = a.record("k", CRED).unwrap();
+        let lane = &r.lanes[0];
+        let meta = serde_json::to_vec(&Meta {
+            credential: r.credential.clone(),
+            api: r.api,
+            source: r.source,
+            last_seen_ms: r.last_seen_ms,
+            latest: r.latest,
+        })
+        .unwrap();
+        let mut st = Stored {
+            meta: Some(meta),
+            lanes: vec![(lane.id_hex(), 1, serde_json::to_vec(lane).unwrap())],
+            deleted: 0,
+            top: 1,
+            totals: Totals {
+                input: 1200,
+                turns: 1,
+                ..Default::default()
+            },
+        };
+        let v = a.render("k", &session_of(st.clone()).unwrap());
+        assert_eq!(v["anchor"]["real"], 1200);
+        assert_eq!(v["turns"], 1);
+        assert_eq!(v["lanes"][0]["id"], lane.id_hex());
+        st.deleted = 2;
+        let v = a.render("k", &session_of(st).unwrap());
+        assert!(v["anchor"].is_null(), "{v}");
+        assert_eq!(v["state"], "calibrated");
     }
 }
