@@ -101,8 +101,12 @@ impl Answer {
 }
 
 async fn ask(c: &TestClient, p: &Proxy, session: &str, body: &Value) -> Answer {
+    ask_as(c, p, session, "sk-ant-replica-test", body).await
+}
+
+async fn ask_as(c: &TestClient, p: &Proxy, session: &str, api_key: &str, body: &Value) -> Answer {
     let req = post(&p.url("/v1/messages"), body.to_string())
-        .header("x-api-key", "sk-ant-replica-test")
+        .header("x-api-key", api_key)
         .header("anthropic-version", "2023-06-01")
         .header("x-session-id", session)
         .body(support::full(body.to_string()))
@@ -528,5 +532,250 @@ async fn with_nothing_to_decide_the_request_leaves_before_the_state_lookup() {
             r.projection
         );
         assert!(*gate.borrow(), "the upstream saw the request");
+    }
+}
+
+/// `GET /sessions/{path}` on a replica: status and body.
+async fn admin(c: &TestClient, p: &Proxy, path: &str) -> (u16, Value) {
+    let (parts, body) = get(c, &p.admin_url(&format!("/sessions/{path}"))).await;
+    (
+        parts.status.as_u16(),
+        serde_json::from_slice(&body).unwrap_or(Value::Null),
+    )
+}
+
+/// Bounded polling until `GET /sessions/{path}` on every replica answers
+/// with `turns`; returns what each said. Write-backs land off the
+/// response path.
+async fn until_turns(c: &TestClient, replicas: &[&Proxy], path: &str, turns: u64) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut all = Vec::new();
+        for p in replicas {
+            all.push(admin(c, p, path).await.1);
+        }
+        if all.iter().all(|v| v["turns"] == turns) {
+            return all;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path}: not {turns} turns on every replica within 10 s: {all:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The `credential` a session object shows for an API key.
+fn hash(api_key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(api_key.as_bytes())[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Every replica answers `/sessions` with the shared record, not its own
+/// view: after 12 turns alternating between two replicas, both say 12
+/// turns and the same anchor, and both list the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_answers_with_the_shared_record() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    let c = client_h1();
+    let mut last = 0;
+    for t in 1..=12u64 {
+        let p = if t % 2 == 1 { &a } else { &b };
+        let r = ask(&c, p, "shared-view", &turn(t)).await;
+        assert_eq!(r.status, 200);
+        last = r.real;
+        // Each turn waits for the last one's record (as an agent waits for
+        // its answer): the replicas' own views stay one turn apart.
+        until_turns(&c, &[&a, &b], "shared-view", t).await;
+    }
+    let both = until_turns(&c, &[&a, &b], "shared-view", 12).await;
+    for v in &both {
+        assert_eq!(v["anchor"]["real"], last, "{v}");
+        assert_eq!(v["state"], "anchored");
+        assert_eq!(v["key_source"], "header");
+        assert_eq!(v["lanes"].as_array().unwrap().len(), 1, "{v}");
+    }
+    assert_eq!(both[0], both[1]);
+    for p in [&a, &b] {
+        let (parts, body) = get(&c, &p.admin_url("/sessions")).await;
+        assert_eq!(parts.status, 200);
+        let list: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(list["total"], 1, "{list}");
+        assert_eq!(list["sessions"][0]["turns"], 12);
+    }
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// A provider that answers like the simulated one (its count) and holds
+/// back every request whose last message says `slow` until `release`
+/// fires; each held request is announced on `held`.
+async fn holding_upstream(
+    held: tokio::sync::mpsc::Sender<()>,
+    release: std::sync::Arc<tokio::sync::Notify>,
+) -> support::Upstream {
+    let handler: support::Handler = std::sync::Arc::new(move |req: http::Request<bytes::Bytes>| {
+        let (held, release) = (held.clone(), release.clone());
+        Box::pin(async move {
+            let body: Value = serde_json::from_slice(req.body()).unwrap();
+            let slow = body["messages"]
+                .as_array()
+                .and_then(|m| m.last())
+                .is_some_and(|m| m["content"].as_str().is_some_and(|c| c.contains("slow")));
+            if slow {
+                let wait = release.notified();
+                let _ = held.send(()).await;
+                wait.await;
+            }
+            let real = sim::count_prompt(sim::SimApi::Anthropic, &body).total;
+            let out = json!({"id": "msg_1", "type": "message", "role": "assistant",
+                "content": [{"type": "text", "text": "ok"}],
+                "usage": {"input_tokens": real, "output_tokens": 2}});
+            http::Response::builder()
+                .header("content-type", "application/json")
+                .body(support::full(out.to_string()))
+                .unwrap()
+        })
+    });
+    support::upstream(handler).await
+}
+
+/// Two requests of one session at once, the older slow on replica A, the
+/// newer fast on replica B: both replicas end up showing the newer one's
+/// anchor; A's older response anchors nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_leave_the_newer_anchor_on_every_replica() {
+    let server = Server::start();
+    let (held_tx, mut held) = tokio::sync::mpsc::channel(4);
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let up = holding_upstream(held_tx, release.clone()).await;
+    let route = format!("/v1/messages={}", up.url());
+    let args = ["--state", &server.url(), "--route", &route];
+    let a = support::proxy(&up.url(), &args).await;
+    let b = support::proxy(&up.url(), &args).await;
+    let c = client_h1();
+    for p in [&a, &b] {
+        wait_ready(&c, p, 200).await;
+    }
+    let key = "race-2";
+    ask(&c, &a, key, &turn(1)).await;
+    until_turns(&c, &[&a, &b], key, 1).await;
+    // The older request: on A, held by the provider.
+    let mut older_body = turn(2);
+    let n = older_body["messages"].as_array().unwrap().len();
+    older_body["messages"][n - 1]["content"] = json!("slow: what is in turn two?");
+    let older = {
+        let (c, url) = (c.clone(), a.url("/v1/messages"));
+        tokio::spawn(async move {
+            let req = post(&url, older_body.to_string())
+                .header("x-api-key", "sk-ant-replica-test")
+                .header("x-session-id", key)
+                .body(support::full(older_body.to_string()))
+                .unwrap();
+            send(&c, req).await.0.status.as_u16()
+        })
+    };
+    support::within(10, held.recv())
+        .await
+        .expect("the provider holds the older request");
+    // The newer one: on B, answered at once, written back.
+    let newer = ask(&c, &b, key, &turn(3)).await;
+    assert_eq!(newer.status, 200);
+    until_turns(&c, &[&a, &b], key, 2).await;
+    release.notify_one();
+    assert_eq!(support::within(10, older).await.unwrap(), 200);
+    // The older response's write-back has landed too (its turn counts).
+    let both = until_turns(&c, &[&a, &b], key, 3).await;
+    for v in &both {
+        assert_eq!(
+            v["anchor"]["real"], newer.real,
+            "the newer anchor stays: {v}"
+        );
+    }
+    // And the next request on A projects from it.
+    let r = ask(&c, &a, key, &turn(3)).await;
+    assert!(r.has("src=anchored"), "{}", r.projection);
+    assert_eq!(
+        r.tokens(),
+        newer.real,
+        "the same body as the newer: its anchor"
+    );
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// A session idle past `--session-ttl` is gone on every replica: `GET`
+/// answers 404 and its next request is a first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_session_is_gone_on_every_replica() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &["--session-ttl", "1s"]).await;
+    let c = client_h1();
+    let key = "idle-shared";
+    ask(&c, &a, key, &turn(1)).await;
+    let r = ask(&c, &b, key, &turn(2)).await;
+    assert!(r.has("src=anchored"), "{}", r.projection);
+    until_turns(&c, &[&a, &b], key, 2).await;
+    // The TTL passing is the point here, not a wait for another task.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    for p in [&a, &b] {
+        let (status, v) = admin(&c, p, key).await;
+        assert_eq!(status, 404, "{v}");
+    }
+    let r = ask(&c, &a, key, &turn(3)).await;
+    assert!(
+        !r.has("src=anchored") && !r.has("src=lost"),
+        "{}",
+        r.projection
+    );
+    until_turns(&c, &[&a, &b], key, 1).await;
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// `DELETE /sessions/{key}?credential=HASH` on one replica drops that
+/// credential's anchor for every replica, and only that credential's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_with_a_credential_drops_only_that_credentials_session_in_redis() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    let c = client_h1();
+    let key = "two-creds";
+    for t in 1..=2 {
+        for (p, api_key) in [(&a, "sk-one"), (&b, "sk-two")] {
+            ask_as(&c, p, key, api_key, &turn(t)).await;
+        }
+    }
+    for api_key in ["sk-one", "sk-two"] {
+        until_turns(
+            &c,
+            &[&a, &b],
+            &format!("{key}?credential={}", hash(api_key)),
+            2,
+        )
+        .await;
+    }
+    let del = http::Request::delete(
+        a.admin_url(&format!("/sessions/{key}?credential={}", hash("sk-one"))),
+    )
+    .body(support::full(""))
+    .unwrap();
+    assert_eq!(send(&c, del).await.0.status, 200);
+    let one = ask_as(&c, &b, key, "sk-one", &turn(3)).await;
+    assert!(one.has("src=calibrated"), "dropped: {}", one.projection);
+    let two = ask_as(&c, &b, key, "sk-two", &turn(3)).await;
+    assert!(two.has("src=anchored"), "kept: {}", two.projection);
+    for p in [a, b] {
+        p.stop().await;
     }
 }
