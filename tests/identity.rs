@@ -77,9 +77,9 @@ async fn sessions(c: &TestClient, px: &Proxy) -> Vec<(String, String, u64, usize
         .map(|s| {
             (
                 s["key"].as_str().unwrap().to_string(),
-                s["key_source"].as_str().unwrap().to_string(),
+                s["key_source"].as_str().unwrap_or("missing").to_string(),
                 s["turns"].as_u64().unwrap(),
-                s["lanes"].as_array().unwrap().len(),
+                s["lanes"].as_array().map_or(0, Vec::len),
             )
         })
         .collect()
@@ -234,7 +234,6 @@ async fn each_identity_names_its_session_and_says_how() {
                 .collect();
             assert_eq!(new.len(), 1, "{what}: one new session: {after:?}");
             let (got_key, got_source, _, lanes) = new[0];
-            assert_eq!(*lanes, 1, "{what}");
             // --no-agent-ids: what an agent sends of its own accord names nothing.
             let (key, source) = match (no_agent_ids, source) {
                 (true, "agent") => (None, "fingerprint"),
@@ -249,6 +248,7 @@ async fn each_identity_names_its_session_and_says_how() {
                 .await
                 .expect("GET /sessions/{key}");
             assert_eq!(obj["key_source"], source, "{what}");
+            assert_eq!(*lanes, 1, "{what}");
         }
         px.stop().await;
     }
