@@ -779,3 +779,82 @@ async fn delete_with_a_credential_drops_only_that_credentials_session_in_redis()
         p.stop().await;
     }
 }
+
+/// A Responses provider that stores its responses: a request that
+/// continues one (`previous_response_id`) is counted with it.
+async fn responses_upstream() -> support::Upstream {
+    let stored = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u64>::new()));
+    support::upstream(support::handler(move |req| {
+        let body: Value = serde_json::from_slice(req.body()).unwrap();
+        let mut stored = stored.lock().unwrap();
+        let before = body["previous_response_id"]
+            .as_str()
+            .and_then(|id| id.strip_prefix("resp_")?.parse::<usize>().ok())
+            .and_then(|i| stored.get(i - 1).copied())
+            .unwrap_or(0);
+        let real = before + 12 + req.body().len() as u64 / 4;
+        stored.push(real);
+        let out = json!({"id": format!("resp_{}", stored.len()), "object": "response",
+            "status": "completed", "output": [],
+            "usage": {"input_tokens": real, "output_tokens": 1, "total_tokens": real + 1}});
+        http::Response::builder()
+            .header("content-type", "application/json")
+            .body(support::full(out.to_string()))
+            .unwrap()
+    }))
+    .await
+}
+
+/// An agent that chains its turns with `previous_response_id` and names
+/// its session (Codex sends `prompt_cache_key`): a turn served by another
+/// replica than the one before it stays in that turn's lane, anchored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chained_turn_on_another_replica_stays_in_its_lane() {
+    let server = Server::start();
+    let up = responses_upstream().await;
+    let args = ["--state", &server.url()];
+    let a = support::proxy(&up.url(), &args).await;
+    let b = support::proxy(&up.url(), &args).await;
+    let c = client_h1();
+    for p in [&a, &b] {
+        wait_ready(&c, p, 200).await;
+    }
+    let ask = |p: &Proxy, body: Value| {
+        let (c, url) = (c.clone(), p.url("/v1/responses"));
+        async move {
+            let req = post(&url, body.to_string())
+                .header("authorization", "Bearer sk-chain")
+                .body(support::full(body.to_string()))
+                .unwrap();
+            let (parts, _) = send(&c, req).await;
+            assert_eq!(parts.status, 200);
+            parts.headers["x-context-projection"]
+                .to_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let key = "019a-thread";
+    let first = json!({"model": "gpt-5", "instructions": "Be brief.", "prompt_cache_key": key,
+        "input": [{"role": "user", "content": "start the work"}]});
+    ask(&a, first).await;
+    until_turns(&c, &[&a, &b], key, 1).await;
+    for (i, p) in [&b, &a, &b].into_iter().enumerate() {
+        let next = json!({"model": "gpt-5", "prompt_cache_key": key,
+            "previous_response_id": format!("resp_{}", i + 1),
+            "input": [{"role": "user", "content": format!("and then step {i}")}]});
+        let projection = ask(p, next).await;
+        assert!(
+            projection.contains("src=anchored"),
+            "turn {}: {projection}",
+            i + 2
+        );
+        until_turns(&c, &[&a, &b], key, i as u64 + 2).await;
+    }
+    let (_, s) = admin(&c, &a, key).await;
+    assert_eq!(s["key_source"], "agent");
+    assert_eq!(s["lanes"].as_array().unwrap().len(), 1, "{s}");
+    for p in [a, b] {
+        p.stop().await;
+    }
+}

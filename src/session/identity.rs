@@ -231,8 +231,11 @@ fn fingerprint_key(credential: &str, p: &dyn Provider, c: Content) -> String {
 /// out, and a long history is not hashed past its first user message.
 /// `None`: the request holds neither.
 pub fn content(p: &dyn Provider, view: &RequestView<'_>) -> Option<Content> {
-    let (mut system, mut first) = (Xxh3::new(), Xxh3::new());
+    // One hasher: the system prompt comes first in every API's table, so
+    // it is done (digested) when the first message starts.
+    let mut h = Xxh3::new();
     let mut any = false;
+    let mut system = None;
     'fields: for f in p.counted_fields() {
         let Some(raw) = view.raw(f.name) else {
             continue;
@@ -242,28 +245,42 @@ pub fn content(p: &dyn Provider, view: &RequestView<'_>) -> Option<Content> {
         }
         any = true;
         if f.part == Part::System {
-            system.update(f.name.as_bytes());
-            system.update(&[0]);
-            feed(&mut system, raw);
+            h.update(f.name.as_bytes());
+            h.update(&[0]);
+            feed(&mut h, raw);
             continue;
         }
         let Some(elements) = view.elements(f.name).filter(|_| f.per_element) else {
             // A string input, a prompt: the first message itself.
-            feed(&mut first, raw);
-            continue;
+            system = Some(h.digest());
+            h.reset();
+            feed(&mut h, raw);
+            break;
         };
         for e in elements {
             if is_user_message(e.get()) {
-                feed(&mut first, *e);
+                system = Some(h.digest());
+                h.reset();
+                feed(&mut h, *e);
                 break 'fields;
             }
-            system.update(&[0]);
-            feed(&mut system, *e);
+            h.update(&[0]);
+            feed(&mut h, *e);
         }
     }
-    any.then(|| Content {
-        system: system.digest(),
-        first: first.digest(),
+    if !any {
+        return None;
+    }
+    Some(match system {
+        Some(system) => Content {
+            system,
+            first: h.digest(),
+        },
+        // No first user message: all of it is where the conversation starts.
+        None => Content {
+            system: h.digest(),
+            first: 0,
+        },
     })
 }
 
@@ -439,5 +456,74 @@ mod tests {
             }
         }
         assert_eq!(checked, 2 << 12);
+    }
+}
+
+#[cfg(test)]
+mod content_tests {
+    use super::*;
+    use crate::provider::Api;
+
+    fn of(api: Api, body: &str) -> Option<Content> {
+        content(
+            api.provider(),
+            &RequestView::parse(body.as_bytes()).unwrap(),
+        )
+    }
+
+    #[test]
+    fn content_ignores_layout_markers_tools_and_what_follows_the_first_message() {
+        let a = of(
+            Api::Anthropic,
+            r#"{"model":"m","system":[{"type":"text","text":"S","cache_control":{"type":"ephemeral"}}],"tools":[{"name":"t"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}"#,
+        );
+        let b = of(
+            Api::Anthropic,
+            "{ \"system\" : [ { \"type\" : \"text\", \"text\" : \"S\" } ],\n \"messages\": [{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"}]},\n {\"role\":\"assistant\",\"content\":\"more\"}], \"tools\": [] }",
+        );
+        assert!(a.is_some());
+        assert_eq!(a, b);
+        let other_first = of(
+            Api::Anthropic,
+            r#"{"system":[{"type":"text","text":"S"}],"messages":[{"role":"user","content":"bye"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(other_first.system, a.unwrap().system);
+        assert_ne!(other_first.first, a.unwrap().first);
+    }
+
+    #[test]
+    fn system_messages_before_the_first_user_message_are_the_system_prompt() {
+        let chat = |sys: &str, first: &str| {
+            of(
+                Api::OpenAiChat,
+                &format!(
+                    r#"{{"messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"{first}"}}]}}"#
+                ),
+            )
+            .unwrap()
+        };
+        assert_eq!(chat("A", "x").system, chat("A", "y").system);
+        assert_ne!(chat("A", "x").system, chat("B", "x").system);
+        assert_eq!(chat("A", "x").first, chat("B", "x").first);
+        // Responses `input` as a string is the first message itself.
+        let r = |i: &str| {
+            of(
+                Api::OpenAiResponses,
+                &format!(r#"{{"instructions":"I","input":"{i}"}}"#),
+            )
+            .unwrap()
+        };
+        assert_eq!(r("a").system, r("b").system);
+        assert_ne!(r("a").first, r("b").first);
+        // Nothing countable: no content.
+        assert_eq!(of(Api::OpenAiChat, r#"{"model":"m"}"#), None);
+        // No user message at all: the whole start is the system part.
+        let only = of(
+            Api::OpenAiChat,
+            r#"{"messages":[{"role":"system","content":"s"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(only.first, 0);
     }
 }

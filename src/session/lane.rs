@@ -282,6 +282,8 @@ pub(super) struct LaneRequest<'a> {
     /// Process-local idle clock now, and the TTL, both in ms.
     pub idle_ms: u64,
     pub ttl_ms: u64,
+    /// Wall clock now, ms since the Unix epoch.
+    pub wall_ms: u64,
 }
 
 /// What [`Session::begin`] worked out.
@@ -359,7 +361,7 @@ impl Session {
         let lane = &mut self.lanes[idx];
         lane.begun = lane.begun.max(r.seq);
         lane.idle_ms = r.idle_ms;
-        lane.last_seen_ms = wall_ms();
+        lane.last_seen_ms = r.wall_ms;
         lane.window = r.window;
         self.latest = lane.id;
         // A request chained with `previous_response_id` carries only its new

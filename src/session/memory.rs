@@ -70,6 +70,8 @@ pub struct Sessions {
 pub(super) struct SharedView {
     pub api: Option<Api>,
     pub source: Option<KeySource>,
+    /// The newest response's id and lane.
+    pub link: Option<(String, u64)>,
     pub lanes: Vec<super::lane::Lane>,
     /// `DELETE /sessions/{key}`'s tombstone: the sequence it was made at; 0 if none.
     pub deleted: u64,
@@ -341,7 +343,8 @@ impl Sessions {
         };
         s.touch = touch;
         s.idle_ms = now;
-        s.last_seen_ms = wall_ms();
+        let wall = wall_ms();
+        s.last_seen_ms = wall;
         s.api = api;
         s.source = source;
         let stream = stream.map_or(0, |d| xxhash_rust::xxh3::xxh3_64(d.as_bytes()));
@@ -362,6 +365,7 @@ impl Sessions {
             seq,
             idle_ms: now,
             ttl_ms: self.ttl_ms,
+            wall_ms: wall,
         };
         let b = s.begin(&req, |m| self.model_cal(m));
         let after = s.state();
@@ -672,6 +676,9 @@ impl Sessions {
                 c.cold = sh.model.0.or(c.cold);
                 c.marginal = sh.model.1.or(c.marginal);
             });
+        }
+        if let Some((id, lane)) = &sh.link {
+            self.link(id, credential.into(), key.into(), *lane);
         }
         let now = self.mono_ms(Instant::now());
         let api = sh.api.unwrap_or(Api::OpenAiChat);

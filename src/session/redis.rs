@@ -932,6 +932,11 @@ struct Meta {
     last_seen_ms: u64,
     /// The lane that served the latest request stored.
     latest: u64,
+    /// The newest response's id and lane: a replica that did not serve it
+    /// still places a request that continues it (`previous_response_id`)
+    /// in its lane.
+    #[serde(default)]
+    response: Option<(String, u64)>,
 }
 
 /// What Redis holds of a session, decoded for [`Sessions::merge`]. A lane
@@ -944,6 +949,7 @@ fn shared_view(st: Stored, model: ModelCalibration) -> SharedView {
     SharedView {
         api: meta.as_ref().map(|m| m.api),
         source: meta.as_ref().map(|m| m.source),
+        link: meta.and_then(|m| m.response),
         lanes: lanes_of(&st),
         deleted: st.deleted,
         turns: st.totals.turns,
@@ -1074,6 +1080,10 @@ impl Shared {
             turns: u64::from(ok),
             compactions: u64::from(compacted),
         };
+        let response = outcome
+            .response_id
+            .clone()
+            .filter(|id| ok && !id.is_empty() && id.len() <= MAX_ID_BYTES);
         let Some(changed) = self.local.finish_changed(ticket, &outcome) else {
             return;
         };
@@ -1088,6 +1098,7 @@ impl Shared {
             source: changed.source,
             last_seen_ms: changed.last_seen_ms,
             latest: changed.latest,
+            response: response.map(|id| (id, changed.lane.as_ref().map_or(0, |l| l.id))),
         })
         .unwrap_or_default();
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -1251,6 +1262,7 @@ mod tests {
         SharedView {
             api: Some(r.api),
             source: Some(r.source),
+            link: None,
             lanes: r.lanes.clone(),
             deleted,
             turns: r.turns,
@@ -1330,6 +1342,7 @@ mod tests {
             source: r.source,
             last_seen_ms: r.last_seen_ms,
             latest: r.latest,
+            response: None,
         })
         .unwrap();
         let mut st = Stored {
