@@ -26,13 +26,32 @@ pub const AGENT_HEADERS: &[(&str, &str)] = &[
     // Codex CLI 0.169 (also sends `thread-id`, the same value, and the
     // same id as the Responses `prompt_cache_key`).
     ("session-id", "Codex CLI 0.169"),
-    // Earlier Codex CLI releases spelled it with an underscore.
-    ("session_id", "Codex CLI before 0.169"),
+    // The spelling other proxies accept for Codex CLI as well (not in a
+    // capture here yet).
+    ("session_id", "Codex CLI, other releases"),
 ];
+
+/// A bit per length of the names in [`AGENT_HEADERS`]: most headers are
+/// told apart from them by their length alone.
+const AGENT_NAME_LENGTHS: u64 = {
+    let mut bits = 0u64;
+    let mut i = 0;
+    while i < AGENT_HEADERS.len() {
+        let len = AGENT_HEADERS[i].0.len();
+        bits |= 1 << if len < 63 { len } else { 63 };
+        i += 1;
+    }
+    bits
+};
 
 /// The member that Anthropic agents move to the newest message each turn:
 /// left out of content hashes.
 const MOVING_MARKER: &[u8] = b"cache_control";
+
+/// The marker as a member name, searched for before any walk: most values
+/// do not hold it and are hashed as they are.
+static MARKER_NAME: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"cache_control\""));
 
 /// First 8 hex of the SHA-256 of the credential the request carries, or `none`.
 pub fn credential_hash(header: Option<&[u8]>, query: Option<&str>) -> String {
@@ -104,7 +123,11 @@ pub fn asking<'a>(headers: &'a HeaderMap, session_headers: &[HeaderName]) -> Ask
                 a.session = Some(v);
             }
         }
-        if let Some(k) = AGENT_HEADERS.iter().position(|(n, _)| *n == name.as_str()) {
+        let agent = match AGENT_NAME_LENGTHS >> name.as_str().len().min(63) & 1 {
+            1 => AGENT_HEADERS.iter().position(|(n, _)| *n == name.as_str()),
+            _ => None,
+        };
+        if let Some(k) = agent {
             if k < agent_rank && agent_seen >> k & 1 == 0 {
                 agent_seen |= 1 << k;
                 if let Some(v) = usable(value) {
@@ -211,22 +234,44 @@ fn capped(v: &str) -> String {
 /// whatever the hash, so a crafted collision reaches only the sender's own
 /// credential's sessions, which a session header reaches anyway.
 fn fingerprint_key(credential: &str, p: &dyn Provider, c: Content) -> String {
-    let mut h = Xxh3::new();
-    h.update(credential.as_bytes());
-    h.update(&[0]);
-    h.update(p.api().as_str().as_bytes());
-    h.update(&[0]);
-    h.update(&c.system.to_le_bytes());
-    h.update(&c.first.to_le_bytes());
+    // One shot over a buffer on the stack: a streaming hasher's state is
+    // more to set up than these few bytes are to hash.
+    let api = p.api().as_str().as_bytes();
+    let cred = credential.as_bytes();
+    let mut buf = [0u8; 128];
+    let n = cred.len() + api.len() + 18;
+    let h = match buf.get_mut(..n) {
+        Some(b) => {
+            let (c_part, rest) = b.split_at_mut(cred.len());
+            c_part.copy_from_slice(cred);
+            let (a_part, rest) = rest[1..].split_at_mut(api.len());
+            a_part.copy_from_slice(api);
+            rest[1..9].copy_from_slice(&c.system.to_le_bytes());
+            rest[9..17].copy_from_slice(&c.first.to_le_bytes());
+            xxhash_rust::xxh3::xxh3_128(b)
+        }
+        // A credential of over a hundred bytes: never one of ours (it is
+        // a hash), but hashed the same way.
+        None => {
+            let mut h = Xxh3::new();
+            h.update(cred);
+            h.update(&[0]);
+            h.update(api);
+            h.update(&[0]);
+            h.update(&c.system.to_le_bytes());
+            h.update(&c.first.to_le_bytes());
+            h.digest128()
+        }
+    };
     let mut key = String::with_capacity(19);
     key.push_str("fp:");
-    super::push_hex(&mut key, &h.digest128().to_be_bytes()[..8]);
+    super::push_hex(&mut key, &h.to_be_bytes()[..8]);
     key
 }
 
 /// Content hashes of where the conversation starts: the system prompt
 /// (with the messages before the first user message) and the first user
-/// message, by the provider's table of counted fields. Layout and the
+/// message, by the provider's table of counted fields. The
 /// `cache_control` markers that agents move from turn to turn are left
 /// out, and a long history is not hashed past its first user message.
 /// `None`: the request holds neither.
@@ -288,7 +333,9 @@ pub fn content(p: &dyn Provider, view: &RequestView<'_>) -> Option<Content> {
 /// it cannot be stepped through.
 fn feed(h: &mut Xxh3, raw: Raw<'_>) {
     let b = raw.get().as_bytes();
-    if crate::pick::content(b, MOVING_MARKER, &mut |run: &[u8]| h.update(run)).is_none() {
+    if MARKER_NAME.find(b).is_none()
+        || crate::pick::content(b, MOVING_MARKER, &mut |run: &[u8]| h.update(run)).is_none()
+    {
         h.update(b);
     }
 }
@@ -415,10 +462,14 @@ mod tests {
             let reset = h
                 .get(X_CONTEXT_RESET)
                 .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
-            (credential, session, reset)
+            let agent = AGENT_HEADERS.iter().find_map(|(n, _)| {
+                let v = h.get(*n)?.to_str().ok()?.trim();
+                (!v.is_empty()).then(|| v.to_string())
+            });
+            (credential, session, agent, reset)
         };
         // Every subset, in two orders, of headers that compete.
-        let pool: [(&str, &[u8]); 12] = [
+        let pool: [(&str, &[u8]); 15] = [
             ("x-api-key", b"k-one"),
             ("authorization", b"Bearer a"),
             ("api-key", b""),
@@ -431,6 +482,9 @@ mod tests {
             ("x-context-reset", b"0"),
             ("authorization", b"Bearer second"),
             ("content-type", b"application/json"),
+            ("session-id", b" "),
+            ("x-claude-code-session-id", b"cc-1"),
+            ("session-id", b"codex-1"),
         ];
         let mut checked = 0;
         for mask in 0u32..1 << pool.len() {
@@ -449,13 +503,14 @@ mod tests {
                 let got = (
                     a.credential.map(<[u8]>::to_vec),
                     a.session.map(str::to_string),
+                    a.agent.map(str::to_string),
                     a.reset,
                 );
                 assert_eq!(got, reference(&h), "{h:?}");
                 checked += 1;
             }
         }
-        assert_eq!(checked, 2 << 12);
+        assert_eq!(checked, 2 << 15);
     }
 }
 
@@ -472,14 +527,14 @@ mod content_tests {
     }
 
     #[test]
-    fn content_ignores_layout_markers_tools_and_what_follows_the_first_message() {
+    fn content_ignores_markers_tools_and_what_follows_the_first_message() {
         let a = of(
             Api::Anthropic,
             r#"{"model":"m","system":[{"type":"text","text":"S","cache_control":{"type":"ephemeral"}}],"tools":[{"name":"t"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}]}"#,
         );
         let b = of(
             Api::Anthropic,
-            "{ \"system\" : [ { \"type\" : \"text\", \"text\" : \"S\" } ],\n \"messages\": [{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"}]},\n {\"role\":\"assistant\",\"content\":\"more\"}], \"tools\": [] }",
+            r#"{"system":[{"type":"text","text":"S"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},{"role":"assistant","content":[{"type":"text","text":"more","cache_control":{"type":"ephemeral"}}]}],"tools":[]}"#,
         );
         assert!(a.is_some());
         assert_eq!(a, b);
@@ -525,5 +580,34 @@ mod content_tests {
         )
         .unwrap();
         assert_eq!(only.first, 0);
+    }
+}
+
+#[cfg(test)]
+mod fingerprint_tests {
+    use super::*;
+    use crate::provider::Api;
+
+    /// The buffer and the streaming hasher agree, so a long credential
+    /// (never one of tidemark's own hashes) is keyed the same way.
+    #[test]
+    fn both_ways_of_hashing_the_fingerprint_agree() {
+        let c = Content {
+            system: 0x0123_4567_89ab_cdef,
+            first: 42,
+        };
+        let p = Api::Anthropic.provider();
+        for cred in ["none", "cafebabe", &"x".repeat(100), &"y".repeat(200)] {
+            let mut h = Xxh3::new();
+            h.update(cred.as_bytes());
+            h.update(&[0]);
+            h.update(p.api().as_str().as_bytes());
+            h.update(&[0]);
+            h.update(&c.system.to_le_bytes());
+            h.update(&c.first.to_le_bytes());
+            let mut want = String::from("fp:");
+            crate::session::push_hex(&mut want, &h.digest128().to_be_bytes()[..8]);
+            assert_eq!(fingerprint_key(cred, p, c), want, "{}", cred.len());
+        }
     }
 }

@@ -6,8 +6,8 @@
 //! A lane is matched by its signature: (model, content hash of the system
 //! prompt and the messages before the first user message, content hash of
 //! the first user message, and a caller's own discriminator such as a
-//! Responses WebSocket `stream_id`). Content hashes ignore layout and
-//! markers that move from turn to turn (`cache_control`). In order:
+//! Responses WebSocket `stream_id`). Content hashes leave out markers that
+//! move from turn to turn (`cache_control`). In order:
 //!
 //! 1. A request that continues a response (`previous_response_id`) is in
 //!    that response's lane.
@@ -456,8 +456,10 @@ impl Session {
     fn choose(&mut self, r: &LaneRequest<'_>) -> (usize, bool, i64, i64) {
         // Lanes idle past the TTL are gone, as sessions are.
         let before = self.lanes.len();
-        self.lanes
-            .retain(|l| r.idle_ms.saturating_sub(l.idle_ms) <= r.ttl_ms);
+        let stale = |l: &Lane| r.idle_ms.saturating_sub(l.idle_ms) > r.ttl_ms;
+        if self.lanes.iter().any(stale) {
+            self.lanes.retain(|l| !stale(l));
+        }
         let mut removed = (before - self.lanes.len()) as i64;
         let found = r
             .hint

@@ -2,6 +2,7 @@
 //! sessions of that key (one per credential), the per-model ratios learned
 //! across sessions, and the `previous_response_id` links. With `--state
 //! memory` it is the store; with `redis://` it is the replica's own copy.
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -40,8 +41,8 @@ type Hasher = foldhash::fast::RandomState;
 
 /// The session a request belongs to: its key, how it was named, and the
 /// lane a `previous_response_id` points at.
-pub(super) struct Resolved {
-    pub key: String,
+pub(super) struct Resolved<'k> {
+    pub key: Cow<'k, str>,
     pub source: KeySource,
     pub hint: Option<u64>,
 }
@@ -162,13 +163,13 @@ impl Sessions {
     /// names it (a `previous_response_id` then only picks the lane, if it
     /// is this session's); else the response it continues; else its
     /// fingerprint.
-    pub(super) fn resolve(
+    pub(super) fn resolve<'k>(
         &self,
-        key: Option<String>,
+        key: Option<Cow<'k, str>>,
         source: KeySource,
         continues: Option<&str>,
         credential: &str,
-    ) -> Option<Resolved> {
+    ) -> Option<Resolved<'k>> {
         let link = continues.and_then(|id| self.follow(id, credential));
         match (key, source) {
             (Some(key), KeySource::Header | KeySource::Agent) => {
@@ -177,7 +178,7 @@ impl Sessions {
             }
             (key, _) => match link {
                 Some((k, lane)) => Some(Resolved {
-                    key: k.into(),
+                    key: Cow::Owned(k.into()),
                     source: KeySource::Chain,
                     hint: Some(lane),
                 }),
@@ -210,9 +211,10 @@ impl Sessions {
         api: Api,
         continues: Option<&str>,
     ) -> Option<u64> {
-        let r = self.resolve(key.map(str::to_string), source, continues, credential)?;
-        let now = self.mono_ms(Instant::now());
-        let (mut slot, idx) = self.slot(&r.key, credential, now, || {
+        let r = self.resolve(key.map(Cow::Borrowed), source, continues, credential)?;
+        // No clock read here: an expired session is found out, and made
+        // anew, when the request begins.
+        let (mut slot, idx) = self.slot(&r.key, credential, None, || {
             Session::new(credential, api, r.source)
         });
         let s = &mut slot[idx];
@@ -221,12 +223,13 @@ impl Sessions {
     }
 
     /// The session of `key` and `credential`, made by `make` if new or
-    /// idle past the TTL (evicting at the cap, counted under its state).
+    /// idle past the TTL at `now_ms` (evicting at the cap, counted under
+    /// its state). `None`: not checked for idleness.
     fn slot(
         &self,
         key: &str,
         credential: &str,
-        now_ms: u64,
+        now_ms: Option<u64>,
         make: impl FnOnce() -> Session,
     ) -> (
         dashmap::mapref::one::RefMut<'_, Box<str>, Vec<Session>>,
@@ -253,7 +256,7 @@ impl Sessions {
         };
         match slot.iter().position(|r| *r.credential == *credential) {
             Some(i) => {
-                if self.expired(&slot[i], now_ms) {
+                if let Some(now_ms) = now_ms.filter(|now| self.expired(&slot[i], *now)) {
                     // Idle past the TTL: its next request is a first request.
                     let old = std::mem::replace(&mut slot[i], make());
                     slot[i].idle_ms = now_ms;
@@ -264,7 +267,7 @@ impl Sessions {
             }
             None => {
                 let mut r = make();
-                r.idle_ms = now_ms;
+                r.idle_ms = now_ms.unwrap_or_else(|| self.mono_ms(Instant::now()));
                 self.count.fetch_add(1, Ordering::Relaxed);
                 self.gauges[r.state() as usize].inc();
                 slot.push(r);
@@ -292,7 +295,12 @@ impl Sessions {
             stream,
         } = facts;
         let chained = continues.is_some();
-        let resolved = self.resolve(key, source, continues.as_deref(), &credential);
+        let resolved = self.resolve(
+            key.map(Cow::Owned),
+            source,
+            continues.as_deref(),
+            &credential,
+        );
         let Some(Resolved { key, source, hint }) = resolved else {
             // No session: a cold projection, nothing stored.
             let mcal = self.model_cal(model.as_deref());
@@ -325,7 +333,7 @@ impl Sessions {
         };
         let touch = self.clock.fetch_add(1, Ordering::Relaxed);
         let now = self.mono_ms(Instant::now());
-        let (mut slot, idx) = self.slot(&key, &credential, now, || {
+        let (mut slot, idx) = self.slot(&key, &credential, Some(now), || {
             Session::new(&credential, api, source)
         });
         let s = &mut slot[idx];
@@ -381,7 +389,7 @@ impl Sessions {
                 turns_left: turns_left(b.tokens, window, b.growth),
             },
             ticket: Ticket {
-                id: Some((credential.into(), Box::from(key.as_str()))),
+                id: Some((credential.into(), Box::from(&*key))),
                 lane: b.lane,
                 seq,
                 estimate: b.estimate,
@@ -391,7 +399,7 @@ impl Sessions {
                 shared: false,
             },
             spent,
-            key: Some(key),
+            key: Some(key.into_owned()),
             source: Some(source),
             ruler: b.ruler,
             growth: b.growth,
@@ -684,7 +692,7 @@ impl Sessions {
         let api = sh.api.unwrap_or(Api::OpenAiChat);
         let source = sh.source.unwrap_or(KeySource::Header);
         let (before, after, added, removed) = {
-            let (mut slot, idx) = self.slot(key, credential, now, || {
+            let (mut slot, idx) = self.slot(key, credential, Some(now), || {
                 Session::new(credential, api, source)
             });
             let s = &mut slot[idx];

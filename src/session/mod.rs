@@ -111,9 +111,9 @@ pub struct SessionConfig {
     pub max_sessions: usize,
 }
 
-/// Content hashes of where a conversation starts, layout and moving
-/// markers left out (`identity::content`): they make the fingerprint and
-/// tell a session's lanes apart.
+/// Content hashes of where a conversation starts, markers that move from
+/// turn to turn left out (`identity::content`): they make the fingerprint
+/// and tell a session's lanes apart.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Content {
     /// The system prompt, and the messages before the first user message.
@@ -415,6 +415,29 @@ pub fn rfc3339(ms: u64) -> String {
         ms % 1000
     )
 }
+/// A [`Store::begin`] under way: done with memory (no future to drive,
+/// nothing allocated), a round trip to Redis otherwise.
+pub enum Beginning<'a> {
+    Ready(Option<Begun>),
+    Waiting(std::pin::Pin<Box<dyn std::future::Future<Output = Begun> + Send + 'a>>),
+}
+
+impl std::future::Future for Beginning<'_> {
+    type Output = Begun;
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Begun> {
+        match self.get_mut() {
+            // Taken once; a poll after that has nothing more to give.
+            Beginning::Ready(b) => b
+                .take()
+                .map_or(std::task::Poll::Pending, std::task::Poll::Ready),
+            Beginning::Waiting(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
 /// Where sessions live: this process's memory, or Redis shared with other
 /// replicas (`--state`). The spine calls the same methods on either; the
 /// memory arm never awaits.
@@ -458,12 +481,12 @@ impl Store {
     }
 
     /// Project a request and open its ticket, at the place `order` that
-    /// [`Store::reserve`] took (`None`: the next place now).
-    pub async fn begin(&self, facts: RequestFacts<'_>, order: Option<u64>) -> Begun {
+    /// [`Store::reserve`] took (`None`: the next place now). With memory the
+    /// answer is there when this returns; await it either way.
+    pub fn begin<'a>(&'a self, facts: RequestFacts<'a>, order: Option<u64>) -> Beginning<'a> {
         match self {
-            Store::Memory(s) => s.begin_in_order(facts, order),
-            // Boxed: the memory arm's future stays small.
-            Store::Redis(r) => Box::pin(r.begin(facts)).await,
+            Store::Memory(s) => Beginning::Ready(Some(s.begin_in_order(facts, order))),
+            Store::Redis(r) => Beginning::Waiting(Box::pin(r.begin(facts))),
         }
     }
 

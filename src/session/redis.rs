@@ -1023,7 +1023,7 @@ impl Shared {
     pub async fn begin(&self, facts: RequestFacts<'_>) -> Begun {
         // The chain's links are this replica's: the session is found here.
         let resolved = self.local.resolve(
-            facts.key.clone(),
+            facts.key.as_deref().map(std::borrow::Cow::Borrowed),
             facts.source,
             facts.continues.as_deref(),
             &facts.credential,
