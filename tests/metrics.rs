@@ -60,6 +60,7 @@ const SPEC: &[(&str, &str, &[&str])] = &[
         &["api", "model"],
     ),
     ("tidemark_sessions", "gauge", &["state"]),
+    ("tidemark_lanes", "gauge", &[]),
     ("tidemark_anchor_lost_total", "counter", &["api", "model"]),
     ("tidemark_usage_missing_total", "counter", &["api", "model"]),
     (
