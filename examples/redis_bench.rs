@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
-use tidemark::state::RedisState;
+use tidemark::session::redis::{RedisState, Totals, Write};
 
 /// `redis-server` on a free port, killed on drop.
 struct Server(Child);
@@ -113,7 +113,7 @@ async fn main() {
     for i in 0..1000 {
         let sid = format!("cred:{}", i % sessions);
         let b = redis.begin(&sid, Some("gpt-4o")).await.expect("begin");
-        let _ = redis.store(&sid, b.seq, &record).await;
+        let _ = redis.store(&sid, b.seq, write(&record)).await;
         let (s, _, _) = memory.begin(&sid);
         memory.store(&sid, s, &record);
     }
@@ -135,8 +135,8 @@ async fn main() {
         begin_t.push(t.elapsed());
         match begun {
             Ok(b) => {
-                std::hint::black_box(&b.record);
-                if redis.store(&sid, b.seq, &record).await.is_err() {
+                std::hint::black_box(&b.stored);
+                if redis.store(&sid, b.seq, write(&record)).await.is_err() {
                     failures.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -156,4 +156,20 @@ async fn main() {
         (r99.saturating_sub(m99)).as_secs_f64() * 1e6,
         failures.load(Ordering::Relaxed)
     );
+}
+
+/// One lane's record and a turn's tokens: what a response writes back.
+fn write(record: &[u8]) -> Write<'_> {
+    Write {
+        lane: Some(("0123456789abcdef", record)),
+        meta: b"{}",
+        add: Totals {
+            input: 1000,
+            output: 20,
+            turns: 1,
+            ..Default::default()
+        },
+        key: "k",
+        credential: "cred",
+    }
 }

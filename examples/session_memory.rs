@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tidemark::provider::{Api, Usage};
-use tidemark::session::{Outcome, Record, RequestFacts, SessionConfig, Sessions};
+use tidemark::session::{Lane, Outcome, RequestFacts, Session, SessionConfig, Sessions};
 
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -45,8 +45,7 @@ fn run(n: usize, cap: usize) {
             estimate: est,
             reset: false,
             window: Some(128_000),
-            counted: None,
-            continues: None,
+            ..Default::default()
         });
         sessions.finish(
             begun.ticket,
@@ -59,8 +58,8 @@ fn run(n: usize, cap: usize) {
                     output: Some(200),
                     cache_creation: None,
                 },
-                response_id: None,
                 completed: true,
+                ..Default::default()
             },
         );
         assert!(sessions.len() <= cap, "cap exceeded: {}", sessions.len());
@@ -106,8 +105,9 @@ fn main() {
         return;
     }
     println!(
-        "size_of::<Record>() = {} bytes (inline; plus key, credential and model strings)",
-        std::mem::size_of::<Record>()
+        "size_of::<Session>() = {} bytes, size_of::<Lane>() = {} bytes (a lane each, on the heap; plus key, credential and model strings)",
+        std::mem::size_of::<Session>(),
+        std::mem::size_of::<Lane>()
     );
     let exe = std::env::current_exe().expect("own path");
     for (n, cap) in [(1_000_000usize, 1_000_000usize), (1_000_000, 100_000)] {

@@ -148,7 +148,10 @@ pub struct Flags {
         value_delimiter = ','
     )]
     pub session_headers: Vec<String>,
-    /// Do not derive a session key when no session header is present.
+    /// Ignore the session identities that agents send on their own.
+    #[arg(long, env = "TIDEMARK_NO_AGENT_IDS")]
+    pub no_agent_ids: bool,
+    /// Do not derive a session key when no session identity is present.
     #[arg(long, env = "TIDEMARK_NO_FINGERPRINT")]
     pub no_fingerprint: bool,
     /// Model context size GLOB=TOKENS; repeatable; overrides the built-in table.
@@ -331,6 +334,9 @@ pub struct Config {
     pub upstream_ca: Option<PathBuf>,
     /// Lower-cased header names, in order of preference.
     pub session_headers: Vec<http::HeaderName>,
+    /// Session ids that agents send of their own accord name sessions
+    /// (off with `--no-agent-ids`).
+    pub agent_ids: bool,
     pub fingerprint: bool,
     pub context_windows: Vec<WindowRule>,
     pub warn_at: f64,
@@ -474,6 +480,7 @@ impl Flags {
             routes,
             upstream_ca: self.upstream_ca,
             session_headers,
+            agent_ids: !self.no_agent_ids,
             fingerprint: !self.no_fingerprint,
             context_windows,
             warn_at: self.warn_at,

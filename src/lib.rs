@@ -31,11 +31,17 @@
 //!    shard at a time); images are sized from their headers.
 //!    More than 16 KiB not yet tokenized goes to tokio's blocking pool, so a
 //!    worker's other connections do not wait behind a cold history.
-//! 5. **Session** (`session.rs`, `window.rs`): a session key (header or
-//!    fingerprint), the anchor from the last response, calibration, and the
-//!    projection `anchor.real + (estimate - anchor.estimate) * calibration`.
-//!    With `--state redis://` the session record lives in Redis (`state.rs`)
-//!    so replicas share it; `--exact-cold-start` asks the provider's counter.
+//! 5. **Session** (`session/`, `window.rs`): who is asking and which
+//!    session (`session/identity.rs`: a session header, else the id the
+//!    agent sends of its own accord, else the `previous_response_id` chain,
+//!    else a fingerprint of the conversation's start, content only), the
+//!    request's lane within it (`session/lane.rs`: the main loop, a
+//!    sub-agent, a side call on another model), and that lane's anchor,
+//!    calibration and projection
+//!    `anchor.real + (estimate - anchor.estimate) * calibration`. One store
+//!    interface (`session/mod.rs`): this process's memory
+//!    (`session/memory.rs`), or Redis shared by replicas
+//!    (`session/redis.rs`); `--exact-cold-start` asks the provider's counter.
 //! 6. **Policy** (`proxy.rs`, `trim.rs`): session budget, then pass / reject
 //!    (in the provider's own error shape) / trim (turn-aware, sticky cut,
 //!    re-projected with the same ruler, rejected if still over).
@@ -82,7 +88,6 @@ pub mod server;
 pub mod session;
 pub mod sim;
 pub mod sse;
-pub mod state;
 pub mod tap;
 pub mod trim;
 pub mod upstream;

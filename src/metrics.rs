@@ -6,7 +6,7 @@ use std::sync::{Mutex, OnceLock};
 
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Distinct `model` label values kept before the rest collapse into `other`.
@@ -28,6 +28,8 @@ pub struct Metrics {
     pub projection_error: HistogramVec,
     pub utilization: HistogramVec,
     pub sessions: IntGaugeVec,
+    /// Lanes held across all sessions (`tidemark_lanes`).
+    pub lanes: IntGauge,
     pub anchor_lost: IntCounterVec,
     pub usage_missing: IntCounterVec,
     pub compactions: IntCounterVec,
@@ -239,6 +241,9 @@ impl Metrics {
         let (name, help) = ("tidemark_sessions", "sessions held, by state");
         let sessions = IntGaugeVec::new(Opts::new(name, help), &["state"]).expect("valid metric");
         let sessions = r.add(sessions, name, help, "gauge");
+        let (name, help) = ("tidemark_lanes", "lanes held, all sessions");
+        let lanes = IntGauge::new(name, help).expect("valid metric");
+        let lanes = r.add(lanes, name, help, "gauge");
         let (name, help) = (
             "tidemark_state_backend_errors_total",
             "state backend (redis) operations that failed; requests fell back to local state",
@@ -342,6 +347,7 @@ impl Metrics {
                 UTILIZATION,
             ),
             sessions,
+            lanes,
             anchor_lost: counter(r, "tidemark_anchor_lost_total", "anchor losses", am),
             usage_missing: counter(
                 r,

@@ -589,6 +589,93 @@ fn block_marks(b: &[u8], base: usize) -> Option<(Marks, u64)> {
     Some((lanes::marks64(&block), (1u64 << rest.len()) - 1))
 }
 
+/// Feed `feed` the JSON value `b` (already known to be valid) without any
+/// object member named `drop`, at any depth, and without the separator
+/// that joined it to its neighbours: what a client that moves such a
+/// marker from message to message (Anthropic's `cache_control`) sends for
+/// the same value without it, as long as it lays values out the same way.
+/// The rest goes out as written, in runs: a value without the member is
+/// one call. `None`: a string or bracket that does not close (the caller
+/// then uses the raw bytes).
+pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()> {
+    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\n' | b'\r');
+    let skip_ws = |mut j: usize| {
+        while b.get(j).is_some_and(|&c| ws(c)) {
+            j += 1;
+        }
+        j
+    };
+    // Bytes from `run` on are not fed yet; `end` is where the last value
+    // ended; `kept`: a member of the innermost open object was kept (a
+    // dropped one then takes the separator before it, else the one after).
+    let (mut i, mut run, mut end, mut kept) = (0, 0, 0, false);
+    while let Some(&c) = b.get(i) {
+        match c {
+            b'"' => {
+                let (close, _) = string_end(b, i)?;
+                let colon = skip_ws(close);
+                if b.get(colon) != Some(&b':') {
+                    // A string value.
+                    i = close;
+                    end = close;
+                    continue;
+                }
+                if &b[i + 1..close - 1] != drop {
+                    kept = true;
+                    i = close;
+                    continue;
+                }
+                let v = skip_ws(colon + 1);
+                let vend = match *b.get(v)? {
+                    b'{' | b'[' => container_end(b, v, 0)?,
+                    b'"' => string_end(b, v)?.0,
+                    _ => scalar_end(b, v),
+                };
+                if kept {
+                    // `, "drop": …` goes from the end of the member before.
+                    feed(&b[run..end]);
+                    run = vend;
+                    i = vend;
+                } else {
+                    // `"drop": …, ` goes up to the next member's name.
+                    feed(&b[run..i]);
+                    let mut next = skip_ws(vend);
+                    if b.get(next) == Some(&b',') {
+                        next = skip_ws(next + 1);
+                    }
+                    run = next;
+                    i = next;
+                }
+            }
+            b'{' => {
+                kept = false;
+                i += 1;
+            }
+            b'}' | b']' => {
+                // Back in the member (or element) that holds this value.
+                kept = true;
+                i += 1;
+                end = i;
+            }
+            b'-' | b'0'..=b'9' | b't' | b'f' | b'n' => {
+                i = scalar_end(b, i);
+                end = i;
+            }
+            _ => i += 1,
+        }
+    }
+    feed(&b[run..]);
+    Some(())
+}
+
+/// The end of the number or literal at `i` (already known to be valid JSON).
+fn scalar_end(b: &[u8], i: usize) -> usize {
+    i + b[i..]
+        .iter()
+        .position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+        .unwrap_or(b.len() - i)
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -1015,5 +1102,114 @@ pub(crate) mod tests {
         assert_eq!(pick(skipped.as_bytes(), keep), None);
         let fine = format!("{{\"x\":{}1{}}}", "[".repeat(100), "]".repeat(100));
         assert_eq!(pick(fine.as_bytes(), keep), Some(Node::Obj(vec![])));
+    }
+
+    /// What [`content`] feeds, joined.
+    fn fed(b: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        content(b, b"cache_control", &mut |run: &[u8]| {
+            out.extend_from_slice(run)
+        })
+        .expect("valid JSON");
+        out
+    }
+
+    /// `v` with a `cache_control` member in every object that has members
+    /// (an object of nothing but the marker is written `{}` without it by
+    /// no serialiser), its value of a kind chosen by depth.
+    fn with_marker(v: &serde_json::Value, depth: usize) -> serde_json::Value {
+        use serde_json::{json, Value};
+        match v {
+            Value::Object(m) => {
+                let mut m: serde_json::Map<String, Value> = m
+                    .iter()
+                    .map(|(k, v)| (k.clone(), with_marker(v, depth + 1)))
+                    .collect();
+                if m.is_empty() {
+                    return Value::Object(m);
+                }
+                let marker = match depth % 4 {
+                    0 => json!({"type": "ephemeral", "ttl": "5m"}),
+                    1 => json!("ephemeral"),
+                    2 => json!(1.5e3),
+                    _ => json!([{"x": null}, true]),
+                };
+                m.insert("cache_control".into(), marker);
+                Value::Object(m)
+            }
+            Value::Array(a) => Value::Array(a.iter().map(|v| with_marker(v, depth + 1)).collect()),
+            v => v.clone(),
+        }
+    }
+
+    #[test]
+    fn content_drops_the_marker_and_its_separator() {
+        let cases: &[(&str, &str)] = &[
+            (r#"{"a":1}"#, r#"{"a":1}"#),
+            (
+                r#"{"cache_control":{"type":"ephemeral"},"a":1}"#,
+                r#"{"a":1}"#,
+            ),
+            (r#"{"a":1,"cache_control":{}}"#, r#"{"a":1}"#),
+            (r#"{"a":1,"cache_control":{},"b":2}"#, r#"{"a":1,"b":2}"#),
+            (
+                r#"{"cache_control":1,"cache_control":"x","a":[1, 2]}"#,
+                r#"{"a":[1, 2]}"#,
+            ),
+            (
+                "{\n  \"a\": 1,\n  \"cache_control\": {\n    \"t\": [1]\n  },\n  \"b\": \"x y\"\n}",
+                "{\n  \"a\": 1,\n  \"b\": \"x y\"\n}",
+            ),
+            (
+                "{\n  \"cache_control\": null,\n  \"b\": true\n}",
+                "{\n  \"b\": true\n}",
+            ),
+            (
+                "{\n  \"b\": {\"x\": 1},\n  \"cache_control\": -1.5e3\n}",
+                "{\n  \"b\": {\"x\": 1}\n}",
+            ),
+            // A value or element that says the name is kept.
+            (
+                r#"{"text":"cache_control","l":["cache_control"]}"#,
+                r#"{"text":"cache_control","l":["cache_control"]}"#,
+            ),
+            (
+                r#"[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}, {"k":"\"cache_control\":1"}]"#,
+                r#"[{"type":"text","text":"hi"}, {"k":"\"cache_control\":1"}]"#,
+            ),
+            (r#""plain string""#, r#""plain string""#),
+            (" 12 ", " 12 "),
+        ];
+        for (input, want) in cases {
+            assert_eq!(
+                String::from_utf8(fed(input.as_bytes())).unwrap(),
+                *want,
+                "{input}"
+            );
+        }
+        // Not JSON that closes: the caller falls back to the raw bytes.
+        assert!(content(br#"{"a":"x"#, b"cache_control", &mut |_: &[u8]| {}).is_none());
+    }
+
+    proptest::proptest! {
+        /// Any value with markers anywhere, compact or pretty, feeds what
+        /// the same serialiser writes of the value without them.
+        #[test]
+        fn content_is_the_value_as_written_without_markers(v in any_json()) {
+            let marked = with_marker(&v, 0);
+            for (text, want) in [
+                (serde_json::to_vec(&marked).unwrap(), serde_json::to_vec(&v).unwrap()),
+                (
+                    serde_json::to_vec_pretty(&marked).unwrap(),
+                    serde_json::to_vec_pretty(&v).unwrap(),
+                ),
+            ] {
+                let got = fed(&text);
+                proptest::prop_assert_eq!(
+                    String::from_utf8_lossy(&got),
+                    String::from_utf8_lossy(&want)
+                );
+            }
+        }
     }
 }

@@ -20,19 +20,16 @@ use http::header::{
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use sha2::{Digest, Sha256};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::config::{Config, OnOver, Upstream};
 use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
+use crate::session::identity::{self, asking, credential_hash, ContentOnce};
 use crate::session::{
-    decimal, Begun, Outcome, Projection, Record, RequestFacts, Ruler, SessionConfig, Sessions,
-    Shared, Ticket,
+    decimal, Begun, KeySource, Outcome, Projection, RequestFacts, Ruler, SessionConfig, Store,
 };
-use crate::state::{CalField, RedisState};
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::trim::{self, Cut};
 use crate::upstream::{self, Client, UpBody, UpstreamBody, UpstreamError};
@@ -43,16 +40,14 @@ pub struct State {
     pub config: Config,
     pub client: Client,
     pub estimator: Estimator,
-    pub sessions: Sessions,
+    /// Sessions: this process's memory, or Redis shared with other replicas.
+    pub store: Store,
     /// Upstreams (authorities) that answered 400 to `stream_options`: never inject there again.
     pub no_stream_options: DashSet<String>,
     /// Each trimmed session's last cut, so the next request is cut at the
     /// same place and provider prompt caches survive. Keyed by credential and
     /// session key; bounded by `--max-sessions`.
     pub cuts: DashMap<String, Cut>,
-    /// `--state redis://...`: sessions shared with other replicas. `None`
-    /// with `memory`, the default.
-    pub redis: Option<RedisState>,
 }
 
 /// One worker thread's handle on the shared [`State`], cloned for each
@@ -94,25 +89,20 @@ impl std::ops::Deref for Local {
 /// Per-message token cache budget for the estimator.
 pub const ESTIMATE_CACHE_BYTES: usize = 64 << 20;
 
-/// Longest session key taken from a header; longer values are cut.
-pub const MAX_SESSION_KEY: usize = 256;
-
 impl State {
     pub fn new(config: Config) -> Result<State, String> {
         let client = upstream::client(&config)?;
-        let sessions = Sessions::new(SessionConfig {
-            ttl: config.session_ttl,
-            max_sessions: config.max_sessions,
-        });
-        let redis = match config.state.as_str() {
-            "memory" => None,
-            url => Some(RedisState::new(url, config.session_ttl)?),
-        };
+        let store = Store::new(
+            SessionConfig {
+                ttl: config.session_ttl,
+                max_sessions: config.max_sessions,
+            },
+            &config.state,
+        )?;
         Ok(State {
-            redis,
             client,
             estimator: Estimator::new(ESTIMATE_CACHE_BYTES),
-            sessions,
+            store,
             no_stream_options: DashSet::new(),
             cuts: DashMap::new(),
             config,
@@ -275,12 +265,6 @@ struct Inspected {
     trimmed: Option<String>,
     /// The trimmed body before usage injection (what a retry without the option sends).
     trimmed_body: Option<Bytes>,
-    /// The shared backend's session id when the session was fetched from it
-    /// (the record, spend and calibration are written back after the response).
-    shared: Option<String>,
-    /// A shared backend is configured but did not answer: projected from
-    /// this process's state only (`state=local` on the projection header).
-    local_state: bool,
     /// When the request came in: tidemark's own answers are timed from here.
     start: Instant,
 }
@@ -511,215 +495,6 @@ fn decode_request(encoding: Option<&str>, body: &Bytes, cap: usize) -> Option<By
     (ok && out.len() <= cap).then(|| Bytes::from(out))
 }
 
-/// First 8 hex of the SHA-256 of the credential the request carries, or `none`.
-fn credential_hash(header: Option<&[u8]>, query: Option<&str>) -> String {
-    let cred = header.or_else(|| {
-        query.and_then(|q| {
-            q.split('&')
-                .find_map(|kv| kv.strip_prefix("key=").map(str::as_bytes))
-        })
-    });
-    match cred {
-        Some(c) if !c.is_empty() => known_credential_hash(c),
-        _ => "none".to_string(),
-    }
-}
-
-/// What a request's headers say about who is asking: the credential (the
-/// first of `authorization`, `x-api-key`, `x-goog-api-key`, `api-key`
-/// present), the first `--session-header` present with a usable value,
-/// and `x-context-reset: 1`. Found in one pass over the headers: a
-/// `HeaderMap::get` of a name outside http's own set hashes the name, and
-/// these had been five such lookups a request. Of a name sent twice, the
-/// first value counts, as `get` gives it.
-#[derive(Default)]
-struct Asking<'a> {
-    credential: Option<&'a [u8]>,
-    session: Option<&'a str>,
-    reset: bool,
-}
-
-fn asking<'a>(headers: &'a HeaderMap, session_headers: &[HeaderName]) -> Asking<'a> {
-    let mut a = Asking::default();
-    // Ranks taken so far (lower wins); names whose first value was seen.
-    let (mut credential_rank, mut session_rank) = (usize::MAX, usize::MAX);
-    let (mut reset_seen, mut session_seen) = (false, 0u64);
-    for (name, value) in headers {
-        let rank = match name.as_str() {
-            "authorization" => 0,
-            "x-api-key" => 1,
-            "x-goog-api-key" => 2,
-            "api-key" => 3,
-            "x-context-reset" => {
-                if !reset_seen {
-                    reset_seen = true;
-                    a.reset = value.as_bytes().trim_ascii() == b"1";
-                }
-                usize::MAX
-            }
-            _ => usize::MAX,
-        };
-        if rank < credential_rank {
-            credential_rank = rank;
-            a.credential = Some(value.as_bytes());
-        }
-        for (k, h) in session_headers.iter().enumerate().take(64) {
-            if k >= session_rank || h != name || session_seen >> k & 1 == 1 {
-                continue;
-            }
-            session_seen |= 1 << k;
-            if let Some(v) = value.to_str().ok().map(str::trim).filter(|v| !v.is_empty()) {
-                session_rank = k;
-                a.session = Some(v);
-            }
-        }
-    }
-    a
-}
-
-/// The SHA-256 prefix of a credential, made once per credential on each
-/// worker thread: an agent sends the same key on every request, and its
-/// hash cost 100-200 ns with the CPU's SHA instructions. The cache holds
-/// no credential, only an xxh3-128 of it under a per-process random seed
-/// (so no two credentials can be made to meet without knowing both), and
-/// at most 256 of them.
-fn known_credential_hash(c: &[u8]) -> String {
-    use std::cell::RefCell;
-    use std::sync::OnceLock;
-    static SEED: OnceLock<u64> = OnceLock::new();
-    thread_local! {
-        static KNOWN: RefCell<foldhash::HashMap<u128, [u8; 4]>> = RefCell::default();
-    }
-    let seed = *SEED.get_or_init(|| {
-        use std::hash::BuildHasher;
-        std::collections::hash_map::RandomState::new().hash_one(0u8)
-    });
-    let id = xxhash_rust::xxh3::xxh3_128_with_seed(c, seed);
-    KNOWN.with_borrow_mut(|known| {
-        let prefix = *known.entry(id).or_insert_with(|| {
-            let digest = Sha256::digest(c);
-            [digest[0], digest[1], digest[2], digest[3]]
-        });
-        if known.len() > 256 {
-            known.clear();
-        }
-        crate::session::hex(&prefix)
-    })
-}
-
-/// The session key: the first configured session header present, else a
-/// fingerprint of (credential, API, system prompt, first user message).
-fn session_key(
-    config: &Config,
-    named: Option<&str>,
-    p: &dyn Provider,
-    view: &RequestView<'_>,
-    credential: &str,
-) -> Option<String> {
-    if let Some(v) = named {
-        let mut end = v.len().min(MAX_SESSION_KEY);
-        while !v.is_char_boundary(end) {
-            end -= 1;
-        }
-        return Some(v[..end].to_string());
-    }
-    if !config.fingerprint {
-        return None;
-    }
-    // xxh3, not SHA-256: the fingerprint names a session, it hides nothing
-    // (the credential in it is already its hash), and it runs over the
-    // system prompt on every request: SHA-256 with the CPU's SHA
-    // instructions took 135-157 ns for the bench's 120 bytes and 11-13 us
-    // for a 20 KB system prompt on the README's machine, xxh3 8 ns and
-    // 0.7-1.1 us. Fixed seed: replicas sharing --state redis must agree.
-    // Sessions of different credentials are apart whatever the hash, so a
-    // crafted collision reaches only the sender's own credential's
-    // sessions, which a session header reaches anyway.
-    let mut h = Xxh3::new();
-    h.update(credential.as_bytes());
-    h.update(&[0]);
-    h.update(p.api().as_str().as_bytes());
-    let mut any = false;
-    for f in p.counted_fields() {
-        let Some(raw) = view.raw(f.name) else {
-            continue;
-        };
-        if f.name == "tools" {
-            continue;
-        }
-        h.update(&[0]);
-        h.update(f.name.as_bytes());
-        if !f.per_element {
-            h.update(raw.get().as_bytes());
-            any = true;
-            continue;
-        }
-        // Elements up to and including the first user message, hashed no
-        // further (a long history is not hashed to its end).
-        let Some(elems) = view.elements(f.name) else {
-            h.update(raw.get().as_bytes());
-            any = true;
-            continue;
-        };
-        for e in elems.iter().map(|e| e.get()) {
-            h.update(e.as_bytes());
-            any = true;
-            if is_user_message(e) {
-                break;
-            }
-        }
-    }
-    if !any {
-        return None;
-    }
-    let mut key = String::with_capacity(19);
-    key.push_str("fp:");
-    crate::session::push_hex(&mut key, &h.digest128().to_be_bytes()[..8]);
-    Some(key)
-}
-
-fn is_user_message(raw: &str) -> bool {
-    if let Some(user) = leading_role_is_user(raw.as_bytes()) {
-        return user;
-    }
-    #[derive(serde::Deserialize)]
-    struct Role<'a> {
-        #[serde(borrow)]
-        role: Option<std::borrow::Cow<'a, str>>,
-    }
-    serde_json::from_str::<Role>(raw)
-        .ok()
-        .and_then(|r| r.role)
-        .is_some_and(|r| r == "user")
-}
-
-/// Whether a message whose first member is `"role"` is the user's: most
-/// open that way, and the role decides it without parsing the rest (the
-/// message's whole content). Read byte by byte (JSON's whitespace is
-/// ASCII; str's trims and searches cost about 250 instructions a message
-/// here). `None`: another first member, or a role with an escape, which
-/// only a parse reads right.
-fn leading_role_is_user(b: &[u8]) -> Option<bool> {
-    let mut i = 0;
-    // Past whitespace, then past `token`, if it is there.
-    let mut past = |token: &[u8]| {
-        while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            i += 1;
-        }
-        b[i..].starts_with(token).then(|| i += token.len())
-    };
-    past(b"{")?;
-    past(b"\"role\"")?;
-    past(b":")?;
-    past(b"\"")?;
-    let role = &b[i..];
-    if role.starts_with(b"user\"") {
-        return Some(true);
-    }
-    let end = memchr::memchr2(b'"', b'\\', role)?;
-    (role[end] == b'"').then_some(false)
-}
-
 /// RFC 8941 dictionary for `x-context-warning`.
 fn warning_value(util: f64, at: f64) -> String {
     format!("util={}, at={}", decimal(util), decimal(at))
@@ -730,7 +505,7 @@ fn add_policy_headers(h: &mut HeaderMap, ins: &Inspected, warn_at: f64) {
     // Room for the projection, warning and trimmed headers in one step.
     h.reserve(3);
     add_projection_headers(h, &ins.begun.projection, warn_at);
-    if ins.local_state {
+    if ins.begun.local_state {
         mark_local_state(h);
     }
     if let Some(t) = ins
@@ -829,18 +604,20 @@ async fn api_request(
     let Identity {
         credential,
         key,
+        source,
         reset,
+        mut content,
     } = identify(cfg, &parts.headers, query, p, &view);
     let continues = p.continues(&view);
     // Forwarded before it is projected, the request takes its place in the
     // session's order now, so two in flight keep the order they came in.
     // (With --state redis the order is Redis's, taken when it is asked.)
-    let order = match forward_first && state.redis.is_none() {
-        true => state.sessions.reserve(
+    let order = match forward_first {
+        true => state.store.reserve(
             key.as_deref(),
+            source,
             &credential,
             api,
-            model.as_deref(),
             continues.as_deref(),
         ),
         false => None,
@@ -882,36 +659,9 @@ async fn api_request(
         OnOver::Trim => key.as_ref().map(|k| format!("{credential}\u{0}{k}")),
         _ => None,
     };
-    // --state redis: one round trip for the session's record, order, spend
-    // and the model's calibration. Memory: nothing to wait for.
-    let (mut shared, mut local_state, mut fetched) = (None, false, None);
-    if let (Some(redis), Some(k)) = (&state.redis, &key) {
-        let sid = shared_session_id(&credential, k);
-        let begin = Box::pin(redis.begin(&sid, model.as_deref()));
-        let begun = match early.as_mut() {
-            // A request already sent is driven meanwhile (its connect, the
-            // rest of a long body), or it would wait for this lookup.
-            Some((sending, first, _, _)) => alongside(begin, sending, first).await,
-            None => begin.await,
-        };
-        match begun {
-            Ok(b) => {
-                fetched = Some(Shared {
-                    seq: b.seq,
-                    record: b
-                        .record
-                        .and_then(|r| serde_json::from_slice::<Record>(&r).ok()),
-                    record_seq: b.record_seq,
-                    spend: (b.spend.input, b.spend.cached_input, b.spend.output),
-                    model: (b.model.cold, b.model.marginal),
-                });
-                shared = Some(sid);
-            }
-            Err(_) => local_state = true,
-        }
-    }
     let facts = RequestFacts {
         key,
+        source,
         credential,
         api,
         model: model.clone(),
@@ -920,14 +670,25 @@ async fn api_request(
         window,
         counted: None,
         continues,
+        content: content.get(p, &view).unwrap_or_default(),
+        stream: None,
     };
-    let mut begun = project(state, series, facts, order, fetched);
+    // Memory: ready at once. --state redis: one round trip for the
+    // session's record, order, totals and the model's calibration; a
+    // request already sent is driven meanwhile (its connect, the rest of a
+    // long body), or it would wait for this lookup.
+    let begin = state.store.begin(facts, order);
+    let mut begun = match early.as_mut() {
+        Some((sending, first, _, _)) => alongside(begin, sending, first).await,
+        None => begin.await,
+    };
+    observe_projection(series, &begun);
     // --exact-cold-start: no anchor, so ask the provider's own counter.
     if cfg.exact_cold_start && begun.anchorless() {
         if let Some((cpath, cbody)) = p.count_request(path, &view) {
             let counting = Box::pin(count_exact(state, &parts, upstream, p, &cpath, cbody));
             if let Some(n) = counting.await {
-                state.sessions.apply_count(&mut begun, n);
+                state.store.apply_count(&mut begun, n);
             }
         }
     }
@@ -942,8 +703,6 @@ async fn api_request(
         injected: false,
         trimmed: None,
         trimmed_body: None,
-        shared,
-        local_state,
         start,
     };
 
@@ -995,7 +754,7 @@ async fn api_request(
                         return reject(state, p, ins, &over);
                     };
                     over_budget(OnOver::Trim);
-                    state.sessions.reproject(&mut ins.begun, est);
+                    state.store.reproject(&mut ins.begun, est);
                     let after = ins.begun.projection.tokens + reserve;
                     // Only a cut that was forwarded is remembered.
                     if let Some(k) = cut_key {
@@ -1154,8 +913,13 @@ async fn api_request(
 pub(crate) struct Identity {
     pub credential: String,
     pub key: Option<String>,
+    /// How `key` was found (SPEC §6 `key_source`).
+    pub source: KeySource,
     /// `x-context-reset: 1`.
     pub reset: bool,
+    /// Where the conversation starts, worked out once when first needed
+    /// (the fingerprint, or the lane).
+    pub content: ContentOnce,
 }
 
 pub(crate) fn identify(
@@ -1167,11 +931,22 @@ pub(crate) fn identify(
 ) -> Identity {
     let asked = asking(headers, &cfg.session_headers);
     let credential = credential_hash(asked.credential, query);
-    let key = session_key(cfg, asked.session, p, view, &credential);
+    let mut content = ContentOnce::default();
+    let (key, source) = identity::session_key(
+        &asked,
+        cfg.agent_ids,
+        cfg.fingerprint,
+        p,
+        view,
+        &credential,
+        &mut content,
+    );
     Identity {
         credential,
         key,
+        source,
         reset: asked.reset,
+        content,
     }
 }
 
@@ -1207,23 +982,25 @@ pub(crate) fn estimate<'a>(
     }
 }
 
-/// project: the session's projection of the request (and its place in the
-/// session's order), its utilisation exported.
-pub(crate) fn project(
+/// project: the session's projection of the request (at its place in the
+/// session's order), its utilisation exported. With memory nothing is
+/// awaited; with Redis, one round trip.
+pub(crate) async fn project(
     state: &State,
     series: &metrics::Series,
-    facts: RequestFacts,
+    facts: RequestFacts<'_>,
     order: Option<u64>,
-    fetched: Option<Shared>,
 ) -> Begun {
-    let begun = match fetched {
-        Some(f) => state.sessions.begin_shared(facts, Some(f)),
-        None => state.sessions.begin_in_order(facts, order),
-    };
+    let begun = state.store.begin(facts, order).await;
+    observe_projection(series, &begun);
+    begun
+}
+
+/// The projection's utilisation, exported once per request.
+fn observe_projection(series: &metrics::Series, begun: &Begun) {
     if let Some(u) = begun.projection.util() {
         series.utilization().observe(u);
     }
-    begun
 }
 
 /// What the policy makes of a projected request.
@@ -1305,10 +1082,15 @@ async fn alongside<T, S: Future + Unpin>(
 ) -> T {
     let mut f = std::pin::pin!(f);
     std::future::poll_fn(|cx| {
+        // `f` first: one that is ready at once (a memory store's begin)
+        // costs the request in flight no extra poll.
+        if let Poll::Ready(t) = f.as_mut().poll(cx) {
+            return Poll::Ready(t);
+        }
         if done.is_pending() {
             *done = Pin::new(&mut *sending).poll(cx);
         }
-        f.as_mut().poll(cx)
+        Poll::Pending
     })
     .await
 }
@@ -1558,16 +1340,12 @@ fn reject(
         resp.status(),
         ins.start,
     );
-    let Inspected { begun, shared, .. } = ins;
-    finish_session(
-        state,
-        shared,
-        begun.ticket,
+    state.store.finish(
+        ins.begun.ticket,
         Outcome {
             status: code,
-            usage: Default::default(),
-            response_id: None,
             completed: true,
+            ..Default::default()
         },
     );
     resp
@@ -1589,16 +1367,12 @@ fn respond_buffered(
         resp.status(),
         ins.start,
     );
-    let Inspected { begun, shared, .. } = ins;
-    finish_session(
-        state,
-        shared,
-        begun.ticket,
+    state.store.finish(
+        ins.begun.ticket,
         Outcome {
             status: code,
-            usage: Default::default(),
-            response_id: None,
             completed: true,
+            ..Default::default()
         },
     );
     resp
@@ -1629,7 +1403,6 @@ fn recorder(
             &state,
             ins.series,
             ins.estimate.tokens,
-            ins.shared,
             ins.begun,
             status,
             completed,
@@ -1647,7 +1420,6 @@ pub(crate) fn record(
     state: &State,
     s: &metrics::Series,
     est: u64,
-    shared: Option<String>,
     begun: Begun,
     status: u16,
     completed: bool,
@@ -1685,22 +1457,16 @@ pub(crate) fn record(
         s.output_tokens().inc_by(o);
     }
     let completed = (completed && !failed) || usage.has_context();
-    finish_session(
-        state,
-        shared,
+    state.store.finish(
         begun.ticket,
         Outcome {
             status,
             usage,
             response_id: observed.response_id,
             completed,
+            server_edit: observed.server_edit,
         },
     );
-}
-
-/// The shared backend's id of a session: the credential hash and the key.
-fn shared_session_id(credential: &str, key: &str) -> String {
-    format!("{credential}:{key}")
 }
 
 /// `state=local` right after `src` in `x-context-projection`: the shared
@@ -1722,68 +1488,6 @@ fn mark_local_state(h: &mut HeaderMap) {
     }
 }
 
-/// The session hears the outcome; with a shared backend the updated record
-/// (compare-and-set on the request's sequence), this response's tokens and
-/// any change to the model's calibration are written back off the response
-/// path.
-pub(crate) fn finish_session(
-    state: &State,
-    shared: Option<String>,
-    ticket: Ticket,
-    outcome: Outcome,
-) {
-    let (Some(redis), Some(sid)) = (state.redis.as_ref(), shared) else {
-        state.sessions.finish(ticket, outcome);
-        return;
-    };
-    let seq = ticket.seq();
-    let ids = ticket
-        .session()
-        .map(|(c, k)| (c.to_string(), k.to_string()));
-    let model = ticket.model().map(str::to_string);
-    let cal_before = state.sessions.model_calibration(model.as_deref());
-    let u = &outcome.usage;
-    let spend = (
-        u.total_context.unwrap_or(0),
-        u.cached_input.unwrap_or(0),
-        u.output.unwrap_or(0),
-    );
-    state.sessions.finish(ticket, outcome);
-    let cal_after = state.sessions.model_calibration(model.as_deref());
-    // A `previous_response_id` can lead to another session than the key
-    // fetched: only the fetched one is written back.
-    let record = ids
-        .filter(|(c, k)| shared_session_id(c, k) == sid)
-        .and_then(|(c, k)| state.sessions.record(&k, &c))
-        .and_then(|r| serde_json::to_vec(&r).ok());
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let redis = redis.clone();
-    rt.spawn(async move {
-        // Failures are counted and logged by the backend; the local state
-        // already has this response. The record goes last: once it is
-        // stored, so are this response's spend and calibration, and a
-        // replica that reads the record reads them too.
-        if spend != (0, 0, 0) {
-            let _ = redis.add_spend(&sid, spend.0, spend.1, spend.2).await;
-        }
-        if let Some(m) = model {
-            for (field, before, after) in [
-                (CalField::Cold, cal_before.0, cal_after.0),
-                (CalField::Marginal, cal_before.1, cal_after.1),
-            ] {
-                if let Some(v) = after.filter(|v| Some(*v) != before) {
-                    let _ = redis.store_model_calibration(&m, field, v).await;
-                }
-            }
-        }
-        if let Some(bytes) = record {
-            let _ = redis.store(&sid, seq, &bytes).await;
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1793,121 +1497,6 @@ mod tests {
         h.insert(X_CONTEXT_PROJECTION, HeaderValue::from_str(v).unwrap());
         mark_local_state(&mut h);
         h[X_CONTEXT_PROJECTION].to_str().unwrap().to_string()
-    }
-
-    #[test]
-    fn user_message_from_first_member_or_parse() {
-        assert!(is_user_message(r#"{"role":"user","content":"hi"}"#));
-        assert!(is_user_message(r#"{ "role" : "user" }"#));
-        assert!(!is_user_message(
-            r#"{"role":"system","content":"\"role\":\"user\""}"#
-        ));
-        // Not first, or escaped: the full parse decides.
-        assert!(is_user_message(r#"{"content":"x","role":"user"}"#));
-        assert!(!is_user_message(
-            r#"{"content":"{\"role\":\"user\"}","role":"tool"}"#
-        ));
-        assert!(is_user_message(r#"{"role":"us\u0065r"}"#));
-        assert!(!is_user_message(r#"{"type":"function_call"}"#));
-        assert!(is_user_message("{\r\n\t \"role\" \n:\t\"user\" }"));
-        assert!(!is_user_message(r#"{"role":"users"}"#));
-        assert!(!is_user_message(r#"{"role":"use"}"#));
-        assert!(!is_user_message(r#"{"role":"user\"x"}"#));
-        assert!(!is_user_message(
-            r#"{"role":"assistant","x":"\"role\":\"user\""}"#
-        ));
-        assert!(!is_user_message(r#"{"role":"#));
-        assert!(!is_user_message(""));
-    }
-
-    #[test]
-    fn credential_hash_is_the_sha256_prefix_first_time_and_after() {
-        // Past the cache's 256 entries and round again: every answer is
-        // the SHA-256 prefix, whether made now or remembered.
-        for round in 0..2 {
-            for i in 0..300 {
-                let c = format!("Bearer sk-test-{i}");
-                let want = crate::session::hex(&Sha256::digest(c.as_bytes())[..4]);
-                let mut h = HeaderMap::new();
-                h.insert(http::header::AUTHORIZATION, c.parse().unwrap());
-                let cred = asking(&h, &[]).credential;
-                assert_eq!(credential_hash(cred, None), want, "round {round}, {c}");
-                assert_eq!(
-                    credential_hash(cred, None),
-                    want,
-                    "round {round}, {c} again"
-                );
-            }
-        }
-        assert_eq!(credential_hash(None, Some("a=1&key=k")), {
-            crate::session::hex(&Sha256::digest(b"k")[..4])
-        });
-        assert_eq!(credential_hash(None, None), "none");
-    }
-
-    /// The one pass over the headers finds what a `get` per name found:
-    /// the credential by the names' order, the first session header with a
-    /// usable value, the reset flag; a name's first value, whatever the
-    /// order the headers came in.
-    #[test]
-    fn one_pass_over_the_headers_reads_as_a_get_per_name() {
-        let names = ["authorization", "x-api-key", "x-goog-api-key", "api-key"];
-        let session_headers = [
-            HeaderName::from_static("x-session-id"),
-            HeaderName::from_static("x-conversation"),
-        ];
-        let reference = |h: &HeaderMap| {
-            let credential = names
-                .iter()
-                .find_map(|n| h.get(*n).map(HeaderValue::as_bytes).map(<[u8]>::to_vec));
-            let session = session_headers.iter().find_map(|n| {
-                let v = h.get(n)?.to_str().ok()?.trim();
-                (!v.is_empty()).then(|| v.to_string())
-            });
-            let reset = h
-                .get(X_CONTEXT_RESET)
-                .is_some_and(|v| v.as_bytes().trim_ascii() == b"1");
-            (credential, session, reset)
-        };
-        // Every subset, in two orders, of headers that compete.
-        let pool: [(&str, &[u8]); 12] = [
-            ("x-api-key", b"k-one"),
-            ("authorization", b"Bearer a"),
-            ("api-key", b""),
-            ("x-goog-api-key", b"g"),
-            ("x-conversation", b" conv "),
-            ("x-session-id", b"  "),
-            ("x-session-id", b"sess-2"),
-            ("x-conversation", b"\xff"),
-            ("x-context-reset", b" 1 "),
-            ("x-context-reset", b"0"),
-            ("authorization", b"Bearer second"),
-            ("content-type", b"application/json"),
-        ];
-        let mut checked = 0;
-        for mask in 0u32..1 << pool.len() {
-            for reversed in [false, true] {
-                let mut h = HeaderMap::new();
-                let mut picked: Vec<_> = (0..pool.len()).filter(|i| mask >> i & 1 == 1).collect();
-                if reversed {
-                    picked.reverse();
-                }
-                for i in picked {
-                    let (n, v) = pool[i];
-                    let v = HeaderValue::from_bytes(v).unwrap();
-                    h.append(HeaderName::from_static(n), v);
-                }
-                let a = asking(&h, &session_headers);
-                let got = (
-                    a.credential.map(<[u8]>::to_vec),
-                    a.session.map(str::to_string),
-                    a.reset,
-                );
-                assert_eq!(got, reference(&h), "{h:?}");
-                checked += 1;
-            }
-        }
-        assert_eq!(checked, 2 << 12);
     }
 
     #[test]

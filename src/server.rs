@@ -65,7 +65,7 @@ pub async fn run(
             let mut tick = tokio::time::interval(Duration::from_secs(5));
             loop {
                 tokio::select! {
-                    _ = tick.tick() => state.sessions.sweep(Instant::now()),
+                    _ = tick.tick() => state.store.sweep(Instant::now()),
                     _ = stop.changed() => break,
                 }
             }
@@ -494,7 +494,7 @@ async fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> 
     }
     let query = req.uri().query();
     match (req.method(), path) {
-        (&Method::GET, "/readyz") => match &state.redis {
+        (&Method::GET, "/readyz") => match state.store.backend() {
             Some(r) if !r.healthy() => {
                 let mut resp = Response::new(ObservedBody::full(format!(
                     "not ready: state backend redis {} unreachable (serving from local state)\n",
@@ -522,44 +522,28 @@ async fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> 
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(100usize)
                 .min(10_000);
-            json(StatusCode::OK, &state.sessions.list(limit))
+            json(StatusCode::OK, &state.store.list(limit).await)
         }
         (m, p) if p.starts_with("/sessions/") => {
             let key = percent_decode(&p["/sessions/".len()..]);
+            let credential = query_param(query, "credential");
             match *m {
-                Method::GET => match state.sessions.get(&key, query_param(query, "credential")) {
+                Method::GET => match state.store.get(&key, credential).await {
                     Some(v) => json(StatusCode::OK, &v),
                     None => json(
                         StatusCode::NOT_FOUND,
                         &serde_json::json!({"error": "no such session"}),
                     ),
                 },
-                Method::DELETE => {
-                    let mut shared = false;
-                    if let Some(redis) = &state.redis {
-                        // Drop the anchor in the shared backend too: for every
-                        // credential this replica knows the key under, and the
-                        // one the caller names.
-                        let mut creds = state.sessions.credentials(&key);
-                        if let Some(c) = query_param(query, "credential") {
-                            if !creds.iter().any(|k| k == c) {
-                                creds.push(c.to_string());
-                            }
-                        }
-                        for c in creds {
-                            let sid = format!("{c}:{key}");
-                            shared |= redis.delete(&sid).await.is_ok();
-                        }
-                    }
-                    if state.sessions.reset(&key) | shared {
-                        json(StatusCode::OK, &serde_json::json!({"reset": true}))
-                    } else {
-                        json(
-                            StatusCode::NOT_FOUND,
-                            &serde_json::json!({"error": "no such session"}),
-                        )
-                    }
-                }
+                // With `?credential=HASH`, only that credential's session;
+                // with --state redis, in Redis too.
+                Method::DELETE => match state.store.delete(&key, credential).await {
+                    true => json(StatusCode::OK, &serde_json::json!({"reset": true})),
+                    false => json(
+                        StatusCode::NOT_FOUND,
+                        &serde_json::json!({"error": "no such session"}),
+                    ),
+                },
                 _ => text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
             }
         }

@@ -61,6 +61,7 @@ const SPEC: &[(&str, &str, &[&str])] = &[
         &["api", "model"],
     ),
     ("tidemark_sessions", "gauge", &["state"]),
+    ("tidemark_lanes", "gauge", &[]),
     ("tidemark_anchor_lost_total", "counter", &["api", "model"]),
     ("tidemark_usage_missing_total", "counter", &["api", "model"]),
     (
@@ -229,14 +230,17 @@ async fn mixed_traffic(px: &Proxy, trim_px: &Proxy, reject_px: &Proxy) {
             &[("x-session-id", &sid)],
         )
         .await;
-        // no usage twice: anchor lost
+        // no usage twice: anchor lost (the marker in the last message
+        // only: the conversation, and so its lane, stays the same)
         post_with(
             &c,
             &u("/v1/chat/completions"),
-            chat("gpt-4o", 3, "no-usage", true).replace(
-                "\"stream\":true",
-                "\"stream\":true,\"stream_options\":{\"include_usage\":true}",
-            ),
+            chat("gpt-4o", 3, "", true)
+                .replace("question 2 ", "question 2 no-usage ")
+                .replace(
+                    "\"stream\":true",
+                    "\"stream\":true,\"stream_options\":{\"include_usage\":true}",
+                ),
             &[("x-session-id", &sid)],
         )
         .await;

@@ -826,12 +826,17 @@ async fn reset_delete_model_change_and_shrink_are_not_losses() {
         call(&c, &url, &go(&mut conv), &h).await.projection().src,
         "anchored"
     );
+    // Back on the first model: its own lane kept its anchor meanwhile (a
+    // model is a lane), so the conversation is anchored at once.
     conv.model = m1.to_string();
-    let p = call(&c, &url, &go(&mut conv), &h).await.projection();
-    assert!(is_cold(&p.src), "model change back: {p:?}");
-    assert_eq!(
-        call(&c, &url, &go(&mut conv), &h).await.projection().src,
-        "anchored"
+    let r = call(&c, &url, &go(&mut conv), &h).await;
+    let p = r.projection();
+    assert_eq!(p.src, "anchored", "model change back: {p:?}");
+    assert!(
+        err_pct(p.tokens, r.real()) <= 1.0,
+        "projection {} vs real {}",
+        p.tokens,
+        r.real()
     );
 
     // Shrink: a compaction, counted.
@@ -1115,6 +1120,25 @@ const FIELDS: &[&str] = &[
     "anchor_losses",
     "cumulative",
     "last_seen",
+    "key_source",
+    "lane",
+    "lanes",
+];
+
+/// Each element of a session object's `lanes`.
+const LANE_FIELDS: &[&str] = &[
+    "id",
+    "model",
+    "state",
+    "turns",
+    "anchor",
+    "projection",
+    "last_real",
+    "window",
+    "utilization",
+    "calibration",
+    "anchor_losses",
+    "last_seen",
 ];
 
 fn keys(v: &Value) -> BTreeSet<String> {
@@ -1179,6 +1203,16 @@ async fn session_objects_have_the_spec_fields_sorted_and_selectable() {
 
     for x in s {
         assert_eq!(keys(x), set(FIELDS), "{x}");
+        assert_eq!(x["key_source"], "header", "{x}");
+        let lanes = x["lanes"].as_array().unwrap();
+        assert_eq!(lanes.len(), 1, "one conversation, one lane: {x}");
+        assert_eq!(keys(&lanes[0]), set(LANE_FIELDS), "{x}");
+        assert_eq!(lanes[0]["id"], x["lane"]);
+        for f in &LANE_FIELDS[1..] {
+            if *f != "turns" && *f != "last_seen" {
+                assert_eq!(lanes[0][f], x[f], "the top is the latest lane's {f}: {x}");
+            }
+        }
         assert_eq!(x["api"], "openai-chat", "{x}");
         assert_eq!(x["model"], model);
         assert_eq!(x["window"], 60000);

@@ -101,8 +101,12 @@ impl Answer {
 }
 
 async fn ask(c: &TestClient, p: &Proxy, session: &str, body: &Value) -> Answer {
+    ask_as(c, p, session, "sk-ant-replica-test", body).await
+}
+
+async fn ask_as(c: &TestClient, p: &Proxy, session: &str, api_key: &str, body: &Value) -> Answer {
     let req = post(&p.url("/v1/messages"), body.to_string())
-        .header("x-api-key", "sk-ant-replica-test")
+        .header("x-api-key", api_key)
         .header("anthropic-version", "2023-06-01")
         .header("x-session-id", session)
         .body(support::full(body.to_string()))
@@ -143,7 +147,7 @@ async fn find_key(
     part: &str,
 ) -> Option<String> {
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("tidemark:v1:{{*:{session}}}:{part}"))
+        .arg(format!("tidemark:v2:{{*:{session}}}:{part}"))
         .query_async(conn)
         .await
         .expect("KEYS");
@@ -295,8 +299,9 @@ async fn written_back(conn: &mut redis::aio::MultiplexedConnection, session: &st
     }
 }
 
-/// The stored record's anchor and sequence, and the session's counter.
-/// All zero while the keys are not there yet.
+/// The sequence the newest lane was stored at, that lane's anchor's
+/// sequence, and the session's counter. All zero while the keys are not
+/// there yet.
 async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> (u64, u64, u64) {
     let (Some(rec), Some(seq)) = (
         find_key(conn, session, "rec").await,
@@ -304,22 +309,28 @@ async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> 
     ) else {
         return (0, 0, 0);
     };
-    let (s, d): (Option<u64>, Option<Vec<u8>>) = redis::cmd("HMGET")
+    let fields: std::collections::HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
         .arg(&rec)
-        .arg("s")
-        .arg("d")
         .query_async(conn)
         .await
         .unwrap();
     let counter: u64 = redis::cmd("GET").arg(&seq).query_async(conn).await.unwrap();
-    let v: Value = d
-        .and_then(|d| serde_json::from_slice(&d).ok())
+    let newest = fields
+        .iter()
+        .filter_map(|(k, v)| {
+            let lane = k.strip_prefix("s:")?;
+            let s: u64 = std::str::from_utf8(v).ok()?.parse().ok()?;
+            Some((s, lane.to_string()))
+        })
+        .max();
+    let Some((s, lane)) = newest else {
+        return (0, 0, counter);
+    };
+    let v: Value = fields
+        .get(&format!("l:{lane}"))
+        .and_then(|d| serde_json::from_slice(d).ok())
         .unwrap_or(Value::Null);
-    (
-        s.unwrap_or(0),
-        v["anchor"]["seq"].as_u64().unwrap_or(0),
-        counter,
-    )
+    (s, v["anchor"]["seq"].as_u64().unwrap_or(0), counter)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -420,7 +431,7 @@ async fn session_budget_counts_spend_from_every_replica() {
     loop {
         let k = find_key(&mut conn, "budget-1", "spend").await;
         let (i, o): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(k.as_deref().unwrap_or("tidemark:v1:none"))
+            .arg(k.as_deref().unwrap_or("tidemark:v2:none"))
             .arg("i")
             .arg("o")
             .query_async(&mut conn)
@@ -445,141 +456,6 @@ async fn session_budget_counts_spend_from_every_replica() {
     assert_eq!(r.status, 200);
     for p in [a, b] {
         p.stop().await;
-    }
-}
-
-/// `Sessions::begin_shared` on its own: what a replica does with what Redis
-/// handed it, without Redis.
-mod begin_shared {
-    use std::time::Duration;
-
-    use tidemark::provider::{Api, Usage};
-    use tidemark::session::{Outcome, RequestFacts, SessionConfig, Sessions, Shared, Src};
-
-    fn store() -> Sessions {
-        Sessions::new(SessionConfig {
-            ttl: Duration::from_secs(600),
-            max_sessions: 100,
-        })
-    }
-
-    fn facts(estimate: u64) -> RequestFacts {
-        RequestFacts {
-            key: Some("k".into()),
-            credential: "c0ffee00".into(),
-            api: Api::OpenAiChat,
-            model: Some("m".into()),
-            estimate,
-            reset: false,
-            window: None,
-            counted: None,
-            continues: None,
-        }
-    }
-
-    fn ok(real: u64) -> Outcome {
-        Outcome {
-            status: 200,
-            usage: Usage {
-                total_context: Some(real),
-                output: Some(10),
-                ..Default::default()
-            },
-            response_id: None,
-            completed: true,
-        }
-    }
-
-    #[test]
-    fn another_replicas_record_anchors_and_takes_the_global_sequence() {
-        let a = store();
-        let b = store();
-        let begun = a.begin_shared(
-            facts(1000),
-            Some(Shared {
-                seq: 1,
-                ..Default::default()
-            }),
-        );
-        assert_eq!(begun.ticket.seq(), 1);
-        a.finish(begun.ticket, ok(1200));
-        let rec = a.record("k", "c0ffee00").unwrap();
-        let begun = b.begin_shared(
-            facts(1100),
-            Some(Shared {
-                seq: 7,
-                record: Some(rec),
-                record_seq: 1,
-                spend: (5_000, 0, 300),
-                model: (None, Some(1.2)),
-            }),
-        );
-        assert_eq!(begun.projection.src, Src::Anchored);
-        assert_eq!(begun.ticket.seq(), 7, "the global order, not a local count");
-        // 1200 + 100 * 1.2: the anchor and the shared model ratio.
-        assert_eq!(begun.projection.tokens, 1320);
-        assert_eq!(
-            begun.spent, 5_300,
-            "the shared spend, larger than the record's"
-        );
-    }
-
-    #[test]
-    fn a_newer_local_response_beats_an_older_stored_record() {
-        let a = store();
-        let shared = |seq| {
-            Some(Shared {
-                seq,
-                ..Default::default()
-            })
-        };
-        let b1 = a.begin_shared(facts(1000), shared(1));
-        a.finish(b1.ticket, ok(1200));
-        let old = a.record("k", "c0ffee00").unwrap();
-        let b2 = a.begin_shared(facts(2000), shared(2));
-        a.finish(b2.ticket, ok(2300));
-        // Redis still holds the record of request 1 (request 2's store in flight).
-        let b3 = a.begin_shared(
-            facts(2100),
-            Some(Shared {
-                seq: 3,
-                record: Some(old),
-                record_seq: 1,
-                ..Default::default()
-            }),
-        );
-        assert_eq!(b3.projection.src, Src::Anchored);
-        // 2300 + 100 * 1.1 (the ratio request 2 taught); the old record would
-        // give 1200 + 1100 * 1.0.
-        assert_eq!(b3.projection.tokens, 2410, "anchored on request 2's 2300");
-    }
-
-    #[test]
-    fn a_delete_tombstone_drops_the_local_anchor_once() {
-        let a = store();
-        let b1 = a.begin_shared(
-            facts(1000),
-            Some(Shared {
-                seq: 1,
-                ..Default::default()
-            }),
-        );
-        a.finish(b1.ticket, ok(1200));
-        let tomb = |seq| {
-            Some(Shared {
-                seq,
-                record: None,
-                record_seq: 2,
-                ..Default::default()
-            })
-        };
-        let b = a.begin_shared(facts(1100), tomb(3));
-        assert_ne!(b.projection.src, Src::Anchored, "another replica's DELETE");
-        a.finish(b.ticket, ok(1300));
-        // Its store has not landed yet: the same tombstone again does not
-        // drop the new anchor.
-        let b = a.begin_shared(facts(1200), tomb(4));
-        assert_eq!(b.projection.src, Src::Anchored);
     }
 }
 
@@ -656,5 +532,329 @@ async fn with_nothing_to_decide_the_request_leaves_before_the_state_lookup() {
             r.projection
         );
         assert!(*gate.borrow(), "the upstream saw the request");
+    }
+}
+
+/// `GET /sessions/{path}` on a replica: status and body.
+async fn admin(c: &TestClient, p: &Proxy, path: &str) -> (u16, Value) {
+    let (parts, body) = get(c, &p.admin_url(&format!("/sessions/{path}"))).await;
+    (
+        parts.status.as_u16(),
+        serde_json::from_slice(&body).unwrap_or(Value::Null),
+    )
+}
+
+/// Bounded polling until `GET /sessions/{path}` on every replica answers
+/// with `turns`; returns what each said. Write-backs land off the
+/// response path.
+async fn until_turns(c: &TestClient, replicas: &[&Proxy], path: &str, turns: u64) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut all = Vec::new();
+        for p in replicas {
+            all.push(admin(c, p, path).await.1);
+        }
+        if all.iter().all(|v| v["turns"] == turns) {
+            return all;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path}: not {turns} turns on every replica within 10 s: {all:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The `credential` a session object shows for an API key.
+fn hash(api_key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(api_key.as_bytes())[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Every replica answers `/sessions` with the shared record, not its own
+/// view: after 12 turns alternating between two replicas, both say 12
+/// turns and the same anchor, and both list the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_answers_with_the_shared_record() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    let c = client_h1();
+    let mut last = 0;
+    for t in 1..=12u64 {
+        let p = if t % 2 == 1 { &a } else { &b };
+        let r = ask(&c, p, "shared-view", &turn(t)).await;
+        assert_eq!(r.status, 200);
+        last = r.real;
+        // Each turn waits for the last one's record (as an agent waits for
+        // its answer): the replicas' own views stay one turn apart.
+        until_turns(&c, &[&a, &b], "shared-view", t).await;
+    }
+    let both = until_turns(&c, &[&a, &b], "shared-view", 12).await;
+    for v in &both {
+        assert_eq!(v["anchor"]["real"], last, "{v}");
+        assert_eq!(v["state"], "anchored");
+        assert_eq!(v["key_source"], "header");
+        assert_eq!(v["lanes"].as_array().unwrap().len(), 1, "{v}");
+    }
+    assert_eq!(both[0], both[1]);
+    for p in [&a, &b] {
+        let (parts, body) = get(&c, &p.admin_url("/sessions")).await;
+        assert_eq!(parts.status, 200);
+        let list: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(list["total"], 1, "{list}");
+        assert_eq!(list["sessions"][0]["turns"], 12);
+    }
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// A provider that answers like the simulated one (its count) and holds
+/// back every request whose last message says `slow` until `release`
+/// fires; each held request is announced on `held`.
+async fn holding_upstream(
+    held: tokio::sync::mpsc::Sender<()>,
+    release: std::sync::Arc<tokio::sync::Notify>,
+) -> support::Upstream {
+    let handler: support::Handler = std::sync::Arc::new(move |req: http::Request<bytes::Bytes>| {
+        let (held, release) = (held.clone(), release.clone());
+        Box::pin(async move {
+            let body: Value = serde_json::from_slice(req.body()).unwrap();
+            let slow = body["messages"]
+                .as_array()
+                .and_then(|m| m.last())
+                .is_some_and(|m| m["content"].as_str().is_some_and(|c| c.contains("slow")));
+            if slow {
+                let wait = release.notified();
+                let _ = held.send(()).await;
+                wait.await;
+            }
+            let real = sim::count_prompt(sim::SimApi::Anthropic, &body).total;
+            let out = json!({"id": "msg_1", "type": "message", "role": "assistant",
+                "content": [{"type": "text", "text": "ok"}],
+                "usage": {"input_tokens": real, "output_tokens": 2}});
+            http::Response::builder()
+                .header("content-type", "application/json")
+                .body(support::full(out.to_string()))
+                .unwrap()
+        })
+    });
+    support::upstream(handler).await
+}
+
+/// Two requests of one session at once, the older slow on replica A, the
+/// newer fast on replica B: both replicas end up showing the newer one's
+/// anchor; A's older response anchors nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_leave_the_newer_anchor_on_every_replica() {
+    let server = Server::start();
+    let (held_tx, mut held) = tokio::sync::mpsc::channel(4);
+    let release = std::sync::Arc::new(tokio::sync::Notify::new());
+    let up = holding_upstream(held_tx, release.clone()).await;
+    let route = format!("/v1/messages={}", up.url());
+    let args = ["--state", &server.url(), "--route", &route];
+    let a = support::proxy(&up.url(), &args).await;
+    let b = support::proxy(&up.url(), &args).await;
+    let c = client_h1();
+    for p in [&a, &b] {
+        wait_ready(&c, p, 200).await;
+    }
+    let key = "race-2";
+    ask(&c, &a, key, &turn(1)).await;
+    until_turns(&c, &[&a, &b], key, 1).await;
+    // The older request: on A, held by the provider.
+    let mut older_body = turn(2);
+    let n = older_body["messages"].as_array().unwrap().len();
+    older_body["messages"][n - 1]["content"] = json!("slow: what is in turn two?");
+    let older = {
+        let (c, url) = (c.clone(), a.url("/v1/messages"));
+        tokio::spawn(async move {
+            let req = post(&url, older_body.to_string())
+                .header("x-api-key", "sk-ant-replica-test")
+                .header("x-session-id", key)
+                .body(support::full(older_body.to_string()))
+                .unwrap();
+            send(&c, req).await.0.status.as_u16()
+        })
+    };
+    support::within(10, held.recv())
+        .await
+        .expect("the provider holds the older request");
+    // The newer one: on B, answered at once, written back.
+    let newer = ask(&c, &b, key, &turn(3)).await;
+    assert_eq!(newer.status, 200);
+    until_turns(&c, &[&a, &b], key, 2).await;
+    release.notify_one();
+    assert_eq!(support::within(10, older).await.unwrap(), 200);
+    // The older response's write-back has landed too (its turn counts).
+    let both = until_turns(&c, &[&a, &b], key, 3).await;
+    for v in &both {
+        assert_eq!(
+            v["anchor"]["real"], newer.real,
+            "the newer anchor stays: {v}"
+        );
+    }
+    // And the next request on A projects from it.
+    let r = ask(&c, &a, key, &turn(3)).await;
+    assert!(r.has("src=anchored"), "{}", r.projection);
+    assert_eq!(
+        r.tokens(),
+        newer.real,
+        "the same body as the newer: its anchor"
+    );
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// A session idle past `--session-ttl` is gone on every replica: `GET`
+/// answers 404 and its next request is a first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_session_is_gone_on_every_replica() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &["--session-ttl", "1s"]).await;
+    let c = client_h1();
+    let key = "idle-shared";
+    ask(&c, &a, key, &turn(1)).await;
+    let r = ask(&c, &b, key, &turn(2)).await;
+    assert!(r.has("src=anchored"), "{}", r.projection);
+    until_turns(&c, &[&a, &b], key, 2).await;
+    // The TTL passing is the point here, not a wait for another task.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    for p in [&a, &b] {
+        let (status, v) = admin(&c, p, key).await;
+        assert_eq!(status, 404, "{v}");
+    }
+    let r = ask(&c, &a, key, &turn(3)).await;
+    assert!(
+        !r.has("src=anchored") && !r.has("src=lost"),
+        "{}",
+        r.projection
+    );
+    until_turns(&c, &[&a, &b], key, 1).await;
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// `DELETE /sessions/{key}?credential=HASH` on one replica drops that
+/// credential's anchor for every replica, and only that credential's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_with_a_credential_drops_only_that_credentials_session_in_redis() {
+    let server = Server::start();
+    let sim = start_sim().await;
+    let (a, b) = replicas(&sim, &server, &[]).await;
+    let c = client_h1();
+    let key = "two-creds";
+    for t in 1..=2 {
+        for (p, api_key) in [(&a, "sk-one"), (&b, "sk-two")] {
+            ask_as(&c, p, key, api_key, &turn(t)).await;
+        }
+    }
+    for api_key in ["sk-one", "sk-two"] {
+        until_turns(
+            &c,
+            &[&a, &b],
+            &format!("{key}?credential={}", hash(api_key)),
+            2,
+        )
+        .await;
+    }
+    let del = http::Request::delete(
+        a.admin_url(&format!("/sessions/{key}?credential={}", hash("sk-one"))),
+    )
+    .body(support::full(""))
+    .unwrap();
+    assert_eq!(send(&c, del).await.0.status, 200);
+    let one = ask_as(&c, &b, key, "sk-one", &turn(3)).await;
+    assert!(one.has("src=calibrated"), "dropped: {}", one.projection);
+    let two = ask_as(&c, &b, key, "sk-two", &turn(3)).await;
+    assert!(two.has("src=anchored"), "kept: {}", two.projection);
+    for p in [a, b] {
+        p.stop().await;
+    }
+}
+
+/// A Responses provider that stores its responses: a request that
+/// continues one (`previous_response_id`) is counted with it.
+async fn responses_upstream() -> support::Upstream {
+    let stored = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u64>::new()));
+    support::upstream(support::handler(move |req| {
+        let body: Value = serde_json::from_slice(req.body()).unwrap();
+        let mut stored = stored.lock().unwrap();
+        let before = body["previous_response_id"]
+            .as_str()
+            .and_then(|id| id.strip_prefix("resp_")?.parse::<usize>().ok())
+            .and_then(|i| stored.get(i - 1).copied())
+            .unwrap_or(0);
+        let real = before + 12 + req.body().len() as u64 / 4;
+        stored.push(real);
+        let out = json!({"id": format!("resp_{}", stored.len()), "object": "response",
+            "status": "completed", "output": [],
+            "usage": {"input_tokens": real, "output_tokens": 1, "total_tokens": real + 1}});
+        http::Response::builder()
+            .header("content-type", "application/json")
+            .body(support::full(out.to_string()))
+            .unwrap()
+    }))
+    .await
+}
+
+/// An agent that chains its turns with `previous_response_id` and names
+/// its session (Codex sends `prompt_cache_key`): a turn served by another
+/// replica than the one before it stays in that turn's lane, anchored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chained_turn_on_another_replica_stays_in_its_lane() {
+    let server = Server::start();
+    let up = responses_upstream().await;
+    let args = ["--state", &server.url()];
+    let a = support::proxy(&up.url(), &args).await;
+    let b = support::proxy(&up.url(), &args).await;
+    let c = client_h1();
+    for p in [&a, &b] {
+        wait_ready(&c, p, 200).await;
+    }
+    let ask = |p: &Proxy, body: Value| {
+        let (c, url) = (c.clone(), p.url("/v1/responses"));
+        async move {
+            let req = post(&url, body.to_string())
+                .header("authorization", "Bearer sk-chain")
+                .body(support::full(body.to_string()))
+                .unwrap();
+            let (parts, _) = send(&c, req).await;
+            assert_eq!(parts.status, 200);
+            parts.headers["x-context-projection"]
+                .to_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let key = "019a-thread";
+    let first = json!({"model": "gpt-5", "instructions": "Be brief.", "prompt_cache_key": key,
+        "input": [{"role": "user", "content": "start the work"}]});
+    ask(&a, first).await;
+    until_turns(&c, &[&a, &b], key, 1).await;
+    for (i, p) in [&b, &a, &b].into_iter().enumerate() {
+        let next = json!({"model": "gpt-5", "prompt_cache_key": key,
+            "previous_response_id": format!("resp_{}", i + 1),
+            "input": [{"role": "user", "content": format!("and then step {i}")}]});
+        let projection = ask(p, next).await;
+        assert!(
+            projection.contains("src=anchored"),
+            "turn {}: {projection}",
+            i + 2
+        );
+        until_turns(&c, &[&a, &b], key, i as u64 + 2).await;
+    }
+    let (_, s) = admin(&c, &a, key).await;
+    assert_eq!(s["key_source"], "agent");
+    assert_eq!(s["lanes"].as_array().unwrap().len(), 1, "{s}");
+    for p in [a, b] {
+        p.stop().await;
     }
 }

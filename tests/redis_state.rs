@@ -9,7 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use redis_support::{free_port, Server};
-use tidemark::state::{CalField, RedisState, StateError, OP_TIMEOUT, PROBE_INTERVAL};
+use tidemark::session::redis::{
+    Begin, CalField, RedisState, StateError, Totals, Write as Change, OP_TIMEOUT, PROBE_INTERVAL,
+    SLOW_OUTAGE,
+};
+use tidemark::session::MAX_LANES;
 
 const TTL: Duration = Duration::from_secs(60);
 
@@ -28,6 +32,31 @@ async fn raw(server: &Server) -> redis::aio::MultiplexedConnection {
         .expect("raw connection")
 }
 
+/// A write of one lane's record (session fields `{}`, nothing added).
+fn lane<'a>(name: &'a str, record: &'a [u8]) -> Change<'a> {
+    Change {
+        lane: Some((name, record)),
+        meta: b"{}",
+        add: Totals::default(),
+        key: "k",
+        credential: "c",
+    }
+}
+
+/// Store one lane's record; whether it was stored.
+async fn put(st: &RedisState, sid: &str, seq: u64, name: &str, record: &[u8]) -> bool {
+    st.store(sid, seq, lane(name, record)).await.expect("store")
+}
+
+/// A lane's stored record and the sequence it was stored at.
+fn lane_of<'b>(b: &'b Begin, name: &str) -> Option<(u64, &'b [u8])> {
+    b.stored
+        .lanes
+        .iter()
+        .find(|(n, _, _)| n == name)
+        .map(|(_, s, r)| (*s, r.as_slice()))
+}
+
 #[tokio::test]
 async fn two_replicas_share_one_global_order() {
     let server = Server::start();
@@ -39,18 +68,22 @@ async fn two_replicas_share_one_global_order() {
         let begun = r.begin(sid, None).await.expect("begin");
         assert_eq!(begun.seq, last + 1, "one order across both replicas");
         last = begun.seq;
-        assert!(r
-            .store(sid, begun.seq, format!("rec-{}", begun.seq).as_bytes())
+        assert!(
+            put(
+                r,
+                sid,
+                begun.seq,
+                "main",
+                format!("rec-{}", begun.seq).as_bytes()
+            )
             .await
-            .expect("store"));
+        );
         // The other replica sees what this one stored.
         let other = if i % 2 == 0 { &b } else { &a };
         let seen = other.begin(sid, None).await.expect("begin");
-        assert_eq!(
-            seen.record.as_deref(),
-            Some(format!("rec-{last}").as_bytes())
-        );
-        assert_eq!(seen.record_seq, last);
+        let rec = format!("rec-{last}");
+        assert_eq!(lane_of(&seen, "main"), Some((last, rec.as_bytes())));
+        assert_eq!(seen.stored.top, last);
         last = seen.seq;
     }
     // Another session has its own order.
@@ -65,19 +98,59 @@ async fn an_older_request_never_overwrites_a_newer_anchor() {
     let old = a.begin(sid, None).await.unwrap();
     let new = b.begin(sid, None).await.unwrap();
     assert!(new.seq > old.seq);
-    assert!(b.store(sid, new.seq, b"new").await.unwrap());
+    assert!(put(&b, sid, new.seq, "main", b"new").await);
     assert!(
-        !a.store(sid, old.seq, b"old").await.unwrap(),
+        !put(&a, sid, old.seq, "main", b"old").await,
         "older seq refused"
     );
     assert!(
-        !a.store(sid, new.seq, b"same").await.unwrap(),
+        !put(&a, sid, new.seq, "main", b"same").await,
         "equal seq refused"
     );
     let now = a.begin(sid, None).await.unwrap();
-    assert_eq!(now.record.as_deref(), Some(&b"new"[..]));
-    assert_eq!(now.record_seq, new.seq);
+    assert_eq!(lane_of(&now, "main"), Some((new.seq, &b"new"[..])));
     assert!(now.seq > new.seq);
+}
+
+/// Lanes are compared each on its own: a newer request in lane B does not
+/// make an older request's anchor in lane A stale.
+#[tokio::test]
+async fn a_newer_request_in_one_lane_never_discards_another_lanes() {
+    let server = Server::start();
+    let (a, b) = (replica(&server).await, replica(&server).await);
+    let sid = "s-lanes";
+    let older = a.begin(sid, None).await.unwrap();
+    let newer = b.begin(sid, None).await.unwrap();
+    assert!(put(&b, sid, newer.seq, "side", b"side-new").await);
+    assert!(
+        put(&a, sid, older.seq, "main", b"main-old").await,
+        "the main lane's own sequence is what counts"
+    );
+    let now = a.begin(sid, None).await.unwrap();
+    assert_eq!(lane_of(&now, "main"), Some((older.seq, &b"main-old"[..])));
+    assert_eq!(lane_of(&now, "side"), Some((newer.seq, &b"side-new"[..])));
+    assert_eq!(now.stored.top, newer.seq);
+}
+
+#[tokio::test]
+async fn a_session_keeps_its_most_recently_stored_lanes() {
+    let server = Server::start();
+    let a = replica(&server).await;
+    let sid = "s-cap";
+    let n = MAX_LANES + 5;
+    for i in 0..n {
+        let seq = a.begin(sid, None).await.unwrap().seq;
+        assert!(put(&a, sid, seq, &format!("lane{i}"), b"r").await);
+    }
+    let now = a.begin(sid, None).await.unwrap();
+    assert_eq!(now.stored.lanes.len(), MAX_LANES);
+    for i in 0..5 {
+        assert!(
+            lane_of(&now, &format!("lane{i}")).is_none(),
+            "lane{i} went first"
+        );
+    }
+    assert!(lane_of(&now, &format!("lane{}", n - 1)).is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,7 +175,8 @@ async fn fifty_racing_stores_keep_the_newest() {
         let barrier = barrier.clone();
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            r.store(sid, seq, format!("rec-{seq}").as_bytes()).await
+            let rec = format!("rec-{seq}");
+            r.store(sid, seq, lane("main", rec.as_bytes())).await
         }));
     }
     let mut stored = 0;
@@ -113,13 +187,13 @@ async fn fifty_racing_stores_keep_the_newest() {
     }
     assert!(stored >= 1);
     let end = a.begin(sid, None).await.unwrap();
-    assert_eq!(end.record.as_deref(), Some(format!("rec-{max}").as_bytes()));
-    assert_eq!(end.record_seq, max);
+    let rec = format!("rec-{max}");
+    assert_eq!(lane_of(&end, "main"), Some((max, rec.as_bytes())));
     assert_eq!(end.seq, max + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spend_adds_up_across_replicas() {
+async fn totals_add_up_across_replicas() {
     let server = Server::start();
     let (a, b) = (replica(&server).await, replica(&server).await);
     let sid = "s-spend";
@@ -127,18 +201,37 @@ async fn spend_adds_up_across_replicas() {
     for i in 0..40u64 {
         let r = if i % 2 == 0 { a.clone() } else { b.clone() };
         tasks.push(tokio::spawn(async move {
-            r.add_spend(sid, 100 + i, i, 7).await
+            let w = Change {
+                lane: None,
+                meta: b"{}",
+                add: Totals {
+                    input: 100 + i,
+                    cached_input: i,
+                    output: 7,
+                    turns: 1,
+                    compactions: i % 2,
+                },
+                key: "k",
+                credential: "c",
+            };
+            // Added whatever the sequence: increments are never refused.
+            r.store(sid, 1, w).await
         }));
     }
     for t in tasks {
-        t.await.unwrap().expect("add_spend");
+        t.await.unwrap().expect("store");
     }
-    let begun = b.begin(sid, None).await.unwrap();
-    assert_eq!(begun.spend.input, (0..40).map(|i| 100 + i).sum::<u64>());
-    assert_eq!(begun.spend.cached_input, (0..40).sum::<u64>());
-    assert_eq!(begun.spend.output, 7 * 40);
+    let t = b.begin(sid, None).await.unwrap().stored.totals;
+    assert_eq!(t.input, (0..40).map(|i| 100 + i).sum::<u64>());
+    assert_eq!(t.cached_input, (0..40).sum::<u64>());
+    assert_eq!(t.output, 7 * 40);
+    assert_eq!(t.turns, 40);
+    assert_eq!(t.compactions, 20);
     // A fresh session has none.
-    assert_eq!(b.begin("s-none", None).await.unwrap().spend.input, 0);
+    assert_eq!(
+        b.begin("s-none", None).await.unwrap().stored.totals,
+        Totals::default()
+    );
 }
 
 #[tokio::test]
@@ -178,14 +271,19 @@ async fn keys_are_namespaced_and_expire_with_the_session() {
     let a = replica(&server).await;
     let sid = "abcd1234:s-ttl";
     let begun = a.begin(sid, Some("m1")).await.unwrap();
-    assert!(a.store(sid, begun.seq, b"r").await.unwrap());
-    a.add_spend(sid, 1, 0, 1).await.unwrap();
+    let mut w = lane("main", b"r");
+    w.add.input = 1;
+    assert!(a.store(sid, begun.seq, w).await.unwrap());
     a.learn_model_calibration("m1", CalField::Cold, 1.0, 0.1)
         .await
         .unwrap();
     let mut raw = raw(&server).await;
-    for suffix in ["seq", "rec", "spend"] {
-        let key = format!("tidemark:v1:{{{sid}}}:{suffix}");
+    for key in [
+        format!("tidemark:v2:{{{sid}}}:seq"),
+        format!("tidemark:v2:{{{sid}}}:rec"),
+        format!("tidemark:v2:{{{sid}}}:spend"),
+        "tidemark:v2:key:{k}".to_string(),
+    ] {
         let pttl: i64 = redis::cmd("PTTL")
             .arg(&key)
             .query_async(&mut raw)
@@ -197,7 +295,7 @@ async fn keys_are_namespaced_and_expire_with_the_session() {
         );
     }
     let pttl: i64 = redis::cmd("PTTL")
-        .arg("tidemark:v1:model:{m1}")
+        .arg("tidemark:v2:model:{m1}")
         .query_async(&mut raw)
         .await
         .unwrap();
@@ -205,11 +303,14 @@ async fn keys_are_namespaced_and_expire_with_the_session() {
         pttl > TTL.as_millis() as i64,
         "model key outlives sessions: {pttl}"
     );
+    // The listing index holds the session, and what was written within the TTL only.
+    assert_eq!(a.sessions(10).await.unwrap(), vec![sid.to_string()]);
+    assert_eq!(a.credentials("k").await.unwrap(), vec!["c".to_string()]);
     // A huge client-controlled id becomes a digest, not a huge key.
     let long = "x".repeat(10_000);
     a.begin(&long, None).await.unwrap();
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("tidemark:v1:{h:*")
+        .arg("tidemark:v2:{h:*")
         .query_async(&mut raw)
         .await
         .unwrap();
@@ -218,24 +319,30 @@ async fn keys_are_namespaced_and_expire_with_the_session() {
 }
 
 #[tokio::test]
-async fn delete_drops_the_record_and_fences_requests_in_flight() {
+async fn delete_leaves_a_tombstone_that_fences_requests_in_flight() {
     let server = Server::start();
     let (a, b) = (replica(&server).await, replica(&server).await);
     let sid = "s-del";
     let first = a.begin(sid, None).await.unwrap();
-    assert!(a.store(sid, first.seq, b"anchored").await.unwrap());
-    a.add_spend(sid, 10, 0, 5).await.unwrap();
+    let mut w = lane("main", b"anchored");
+    w.add.input = 10;
+    w.add.output = 5;
+    assert!(a.store(sid, first.seq, w).await.unwrap());
     let in_flight = b.begin(sid, None).await.unwrap();
-    a.delete(sid).await.unwrap();
+    let (at, existed) = a.delete(sid).await.unwrap();
+    assert!(existed);
+    assert!(at > in_flight.seq);
     assert!(
-        !b.store(sid, in_flight.seq, b"stale").await.unwrap(),
+        !put(&b, sid, in_flight.seq, "main", b"stale").await,
         "a request begun before the delete cannot bring the anchor back"
     );
     let after = b.begin(sid, None).await.unwrap();
-    assert_eq!(after.record, None);
-    assert!(after.seq > in_flight.seq);
-    assert_eq!(after.spend.input, 10, "the budget keeps counting");
-    assert!(b.store(sid, after.seq, b"fresh").await.unwrap());
+    assert_eq!(after.stored.deleted, at);
+    assert!(after.seq > at);
+    assert_eq!(after.stored.totals.input, 10, "the budget keeps counting");
+    assert!(put(&b, sid, after.seq, "main", b"fresh").await);
+    // A session that never stored anything did not exist.
+    assert!(!a.delete("s-never").await.unwrap().1);
 }
 
 #[test]
@@ -331,7 +438,7 @@ async fn outage_is_loud_once_bounded_and_recovers() {
     let (a, b) = (replica(&server).await, replica(&server).await);
     let sid = "s-outage";
     let before = a.begin(sid, None).await.unwrap();
-    assert!(a.store(sid, before.seq, b"pre").await.unwrap());
+    assert!(put(&a, sid, before.seq, "main", b"pre").await);
     let errors_before = tidemark::metrics::get().state_errors.get();
 
     server.kill();
@@ -352,7 +459,7 @@ async fn outage_is_loud_once_bounded_and_recovers() {
         let t = Instant::now();
         assert!(a.begin(sid, None).await.is_err());
         assert!(t.elapsed() < OP_TIMEOUT + Duration::from_millis(100));
-        let _ = b.store(sid, 99, b"x").await;
+        let _ = b.store(sid, 99, lane("main", b"x")).await;
     }
     assert!(!a.healthy() && !b.healthy());
     assert!(tidemark::metrics::get().state_errors.get() > errors_before);
@@ -377,9 +484,12 @@ async fn outage_is_loud_once_bounded_and_recovers() {
     }
     // A request begun before the outage still stores, and the order stays
     // monotonic even though Redis lost the counter.
-    assert!(a.store(sid, before.seq + 5, b"late").await.unwrap());
+    assert!(put(&a, sid, before.seq + 5, "main", b"late").await);
     let after = b.begin(sid, None).await.unwrap();
-    assert_eq!(after.record.as_deref(), Some(&b"late"[..]));
+    assert_eq!(
+        lane_of(&after, "main"),
+        Some((before.seq + 5, &b"late"[..]))
+    );
     assert!(after.seq > before.seq + 5);
     assert_eq!(logs.count(port, "INFO", "state backend recovered"), 2);
     assert_eq!(logs.count(port, "WARN", "state backend unreachable"), 2);
@@ -402,7 +512,7 @@ async fn a_hung_redis_costs_at_most_the_bound_then_fails_fast() {
     };
     signal("-STOP");
     // Each call waits at most OP_TIMEOUT; a run of SLOW_OUTAGE of them is an outage.
-    for i in 0..tidemark::state::SLOW_OUTAGE {
+    for i in 0..SLOW_OUTAGE {
         assert!(a.healthy(), "still healthy after {i} timeouts");
         let t = Instant::now();
         assert_eq!(a.begin("s-hung", None).await, Err(StateError::Timeout));
@@ -441,17 +551,17 @@ async fn a_lost_counter_never_goes_back_under_the_record() {
     for _ in 0..5 {
         last = a.begin(sid, None).await.unwrap().seq;
     }
-    assert!(a.store(sid, last, b"r5").await.unwrap());
+    assert!(put(&a, sid, last, "main", b"r5").await);
     // The counter alone expires (its TTL is refreshed at begin, the record's
     // at store) or is evicted.
     let mut raw = raw(&server).await;
     let n: i64 = redis::cmd("DEL")
-        .arg(format!("tidemark:v1:{{{sid}}}:seq"))
+        .arg(format!("tidemark:v2:{{{sid}}}:seq"))
         .query_async(&mut raw)
         .await
         .unwrap();
     assert_eq!(n, 1);
     let next = a.begin(sid, None).await.unwrap();
     assert_eq!(next.seq, last + 1, "above the stored record's sequence");
-    assert!(a.store(sid, next.seq, b"r6").await.unwrap());
+    assert!(put(&a, sid, next.seq, "main", b"r6").await);
 }

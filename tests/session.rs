@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use tidemark::metrics;
 use tidemark::provider::{Api, Usage};
-use tidemark::session::{Outcome, Record, RequestFacts, SessionConfig, Sessions, Src};
+use tidemark::session::{
+    KeySource, Lane, Outcome, RequestFacts, Session, SessionConfig, Sessions, Src,
+};
 
 const CRED: &str = "cafebabe";
 
@@ -17,17 +19,15 @@ fn store(max: usize) -> Sessions {
     })
 }
 
-fn facts(key: &str, model: &str, estimate: u64) -> RequestFacts {
+fn facts(key: &str, model: &str, estimate: u64) -> RequestFacts<'static> {
     RequestFacts {
         key: Some(key.to_string()),
         credential: CRED.to_string(),
         api: Api::OpenAiChat,
         model: Some(model.to_string()),
         estimate,
-        reset: false,
         window: Some(200_000),
-        counted: None,
-        continues: None,
+        ..Default::default()
     }
 }
 
@@ -41,8 +41,8 @@ fn ok(real: u64) -> Outcome {
             cached_input: Some(real / 2),
             ..Default::default()
         },
-        response_id: None,
         completed: true,
+        ..Default::default()
     }
 }
 
@@ -50,8 +50,8 @@ fn ok_without_usage() -> Outcome {
     Outcome {
         status: 200,
         usage: Usage::default(),
-        response_id: None,
         completed: true,
+        ..Default::default()
     }
 }
 
@@ -59,13 +59,32 @@ fn failed(status: u16) -> Outcome {
     Outcome {
         status,
         usage: Usage::default(),
-        response_id: None,
         completed: true,
+        ..Default::default()
     }
 }
 
-fn rec(s: &Sessions, key: &str) -> Record {
-    s.record(key, CRED).expect("session stored")
+/// A session's latest lane, with the session's own totals beside it.
+struct Rec {
+    lane: Lane,
+    seq: u64,
+    compactions: u32,
+}
+
+impl std::ops::Deref for Rec {
+    type Target = Lane;
+    fn deref(&self) -> &Lane {
+        &self.lane
+    }
+}
+
+fn rec(s: &Sessions, key: &str) -> Rec {
+    let r = s.record(key, CRED).expect("session stored");
+    Rec {
+        lane: r.lane().expect("a lane").clone(),
+        seq: r.seq,
+        compactions: r.compactions,
+    }
 }
 
 /// A provider that counts `a * estimate + b`.
@@ -253,9 +272,9 @@ fn order_is_taken_on_arrival_when_projection_comes_later() {
     let reserve = || {
         s.reserve(
             Some("arrive"),
+            KeySource::Header,
             CRED,
             Api::OpenAiChat,
-            Some("arrive-model"),
             None,
         )
     };
@@ -296,7 +315,10 @@ fn order_is_taken_on_arrival_when_projection_comes_later() {
     let next = s.begin(facts("arrive", "arrive-model", 1_400));
     assert_eq!(next.ticket.seq(), 6);
     // No key, no place.
-    assert_eq!(s.reserve(None, CRED, Api::OpenAiChat, None, None), None);
+    assert_eq!(
+        s.reserve(None, KeySource::Fingerprint, CRED, Api::OpenAiChat, None),
+        None
+    );
 }
 
 #[test]
@@ -305,7 +327,7 @@ fn an_older_response_does_not_re_anchor_after_a_reset() {
     let b = s.begin(facts("fence", "fence-model", 1_000));
     s.finish(b.ticket, ok(1_200));
     let inflight = s.begin(facts("fence", "fence-model", 1_100));
-    assert!(s.reset("fence"));
+    assert!(s.reset("fence", None));
     s.finish(inflight.ticket, ok(1_320));
     assert!(rec(&s, "fence").anchor.is_none());
     let next = s.begin(facts("fence", "fence-model", 1_150));
@@ -434,9 +456,8 @@ fn failed_requests_neither_anchor_nor_lose() {
         failed(400),
         Outcome {
             status: 200,
-            usage: Usage::default(),
-            response_id: None,
             completed: false,
+            ..Default::default()
         },
     ] {
         let b = s.begin(facts("fail", model, 1_200));
@@ -512,10 +533,14 @@ fn reset_header_model_change_and_delete_are_legitimate_anchor_less() {
     let b = s.begin(facts("legit", "legit-model-2", 1_800));
     assert_eq!(b.projection.src, Src::Anchored);
     s.finish(b.ticket, ok(1_850));
+    // Back on the first model: its lane kept its anchor through the side trip.
+    let b = s.begin(facts("legit", model, 1_650));
+    assert_eq!(b.projection.src, Src::Anchored);
+    s.finish(b.ticket, ok(2_145));
 
     // DELETE /sessions/{key}
-    assert!(s.reset("legit"));
-    assert!(!s.reset("no-such-session"));
+    assert!(s.reset("legit", None));
+    assert!(!s.reset("no-such-session", None));
     assert!(s.get("legit", None).unwrap()["anchor"].is_null());
     let b = s.begin(facts("legit", "legit-model-2", 1_900));
     assert_eq!(b.projection.src, Src::Calibrated);
@@ -524,8 +549,9 @@ fn reset_header_model_change_and_delete_are_legitimate_anchor_less() {
     assert_eq!(b.projection.src, Src::Anchored);
     s.finish(b.ticket, ok(2_050));
 
-    let r = rec(&s, "legit");
-    assert_eq!(r.anchor_losses, 1);
+    let r = s.record("legit", CRED).unwrap();
+    assert_eq!(r.lanes.len(), 2);
+    assert_eq!(r.anchor_losses(), 1, "the first model's lane lost once");
     assert_eq!(lost_count(model) - before, 1);
     assert_eq!(r.compactions, 0);
 }
@@ -540,7 +566,9 @@ fn two_credentials_are_two_sessions() {
     let b = s.begin(f);
     // Only the model's tokenizer ratio is shared, never the anchor.
     assert_eq!(b.projection.src, Src::Calibrated);
-    assert!(s.record("shared", "0badf00d").unwrap().anchor.is_none());
+    assert!(s.record("shared", "0badf00d").unwrap().lanes[0]
+        .anchor
+        .is_none());
     s.finish(b.ticket, ok(1_700));
     assert_eq!(s.len(), 2);
     assert_eq!(s.get("shared", None).unwrap()["credential"], "0badf00d");
@@ -557,9 +585,13 @@ fn two_credentials_are_two_sessions() {
 #[test]
 fn previous_response_id_continues_the_session_of_its_credential() {
     let s = store(100);
-    let mut f = facts("fp:abc", "resp-model", 1_000);
-    f.api = Api::OpenAiResponses;
-    let b = s.begin(f);
+    let chained = |key: &str, est: u64| {
+        let mut f = facts(key, "resp-model", est);
+        f.api = Api::OpenAiResponses;
+        f.source = KeySource::Fingerprint;
+        f
+    };
+    let b = s.begin(chained("fp:abc", 1_000));
     s.finish(
         b.ticket,
         Outcome {
@@ -568,26 +600,36 @@ fn previous_response_id_continues_the_session_of_its_credential() {
         },
     );
     // The follow-up carries no system prompt, so its fingerprint differs.
-    let mut f = facts("fp:other", "resp-model", 1_300);
-    f.api = Api::OpenAiResponses;
+    let mut f = chained("fp:other", 1_300);
     f.continues = Some("resp_1".into());
     let b = s.begin(f);
     assert_eq!(b.key.as_deref(), Some("fp:abc"));
+    assert_eq!(b.source, Some(KeySource::Chain));
     assert_eq!(b.projection.src, Src::Anchored);
     s.finish(b.ticket, ok(1_560));
     assert_eq!(s.len(), 1);
     // Another credential cannot follow it.
-    let mut f = facts("fp:third", "resp-model", 1_300);
+    let mut f = chained("fp:third", 1_300);
     f.credential = "0badf00d".into();
     f.continues = Some("resp_1".into());
     let b = s.begin(f);
     assert_eq!(b.key.as_deref(), Some("fp:third"));
     s.finish(b.ticket, ok(1_560));
     // An unknown id falls back to the request's own key.
-    let mut f = facts("fp:fourth", "resp-model", 1_300);
+    let mut f = chained("fp:fourth", 1_300);
     f.continues = Some("resp_unknown".into());
     let b = s.begin(f);
     assert_eq!(b.key.as_deref(), Some("fp:fourth"));
+    // A session header or an agent's own id comes first: the chain then
+    // does not move the request to another session.
+    for source in [KeySource::Header, KeySource::Agent] {
+        let mut f = chained("named", 1_300);
+        f.source = source;
+        f.continues = Some("resp_1".into());
+        let b = s.begin(f);
+        assert_eq!(b.key.as_deref(), Some("named"), "{source:?}");
+        assert_eq!(b.source, Some(source));
+    }
 }
 
 #[test]
@@ -800,14 +842,17 @@ fn records_round_trip_through_serde() {
     s.finish(b.ticket, ok(1_200));
     let b = s.begin(facts("serde", "serde-model", 1_100));
     s.finish(b.ticket, ok(1_330));
-    let r = rec(&s, "serde");
+    let r = s.record("serde", CRED).unwrap();
     let json = serde_json::to_string(&r).unwrap();
-    let back: Record = serde_json::from_str(&json).unwrap();
+    let back: Session = serde_json::from_str(&json).unwrap();
     assert_eq!(back.seq, 2);
-    assert_eq!(back.anchor, r.anchor);
     assert_eq!(back.api, Api::OpenAiChat);
-    assert_eq!(back.marginal, r.marginal);
-    assert_eq!(back.state, r.state);
+    assert_eq!(back.lanes.len(), 1);
+    let (l, b) = (r.lane().unwrap(), back.lane().unwrap());
+    assert_eq!(b.anchor, l.anchor);
+    assert_eq!(b.marginal, l.marginal);
+    assert_eq!(b.state, l.state);
+    assert_eq!(b.id, l.id);
     assert!(json.contains("\"openai-chat\""));
 }
 

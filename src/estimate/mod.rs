@@ -101,7 +101,8 @@ impl Estimator {
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
         let mut sum = Sum::default();
-        for &(field, unit, per_element) in fields(api) {
+        for f in p.counted_fields() {
+            let (field, unit, per_element) = (f.name, f.unit, f.per_element);
             let Some(raw) = req.raw(field) else {
                 continue;
             };
@@ -184,10 +185,15 @@ impl Estimator {
         model: Option<&str>,
         field: &str,
     ) -> Option<Vec<u64>> {
-        let &(_, unit, per_element) = fields(api).iter().find(|(f, _, _)| *f == field)?;
-        if !per_element {
+        let f = api
+            .provider()
+            .counted_fields()
+            .iter()
+            .find(|f| f.name == field)?;
+        if !f.per_element {
             return None;
         }
+        let unit = f.unit;
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
         let els = req.elements(field)?;
@@ -299,41 +305,6 @@ impl Sum {
     fn add(&mut self, c: Counted) {
         self.tokens += u64::from(c.tokens);
         self.chars += u64::from(c.chars);
-    }
-}
-
-/// Where each API keeps what the provider counts, in the order it sees it:
-/// (top-level field, how to count it, whether each array element is a unit).
-fn fields(api: Api) -> &'static [(&'static str, Unit, bool)] {
-    match api {
-        Api::OpenAiChat => &[
-            ("tools", Unit::ChatTool, true),
-            ("functions", Unit::ChatFunction, true),
-            ("messages", Unit::ChatMessage, true),
-        ],
-        Api::OpenAiResponses => &[
-            ("tools", Unit::RespTool, true),
-            ("instructions", Unit::RespInstructions, false),
-            ("input", Unit::RespItem, true),
-        ],
-        Api::Anthropic => &[
-            ("tools", Unit::AnthTool, true),
-            ("system", Unit::AnthSystem, false),
-            ("messages", Unit::AnthMessage, true),
-        ],
-        Api::Gemini => &[
-            ("tools", Unit::GemTool, true),
-            ("systemInstruction", Unit::GemSystem, false),
-            ("system_instruction", Unit::GemSystem, false),
-            ("contents", Unit::GemContent, true),
-        ],
-        Api::Ollama => &[
-            ("tools", Unit::OllamaTool, true),
-            ("system", Unit::OllamaText, false),
-            ("messages", Unit::OllamaMessage, true),
-            ("prompt", Unit::OllamaText, false),
-            ("images", Unit::OllamaImage, true),
-        ],
     }
 }
 

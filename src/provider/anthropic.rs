@@ -1,12 +1,15 @@
 //! Anthropic Messages (`/messages`): input and cache counts in
 //! `message_start`, cumulative replacements in `message_delta`.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use super::{
-    count, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape, Node,
-    Observed, Provider, ERROR, USAGE,
+    count, field, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
+    Node, Observed, Part, Provider, ERROR, USAGE,
 };
+use crate::estimate::Unit;
 use crate::inspect::RequestView;
 
 pub struct Anthropic;
@@ -25,23 +28,29 @@ impl Provider for Anthropic {
         req.get::<bool>("stream").unwrap_or(false)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[
-            CountedField {
-                name: "system",
-                per_element: false,
-            },
-            CountedField {
-                name: "tools",
-                per_element: false,
-            },
-            CountedField {
-                name: "messages",
-                per_element: true,
-            },
-        ]
+        const FIELDS: &[CountedField] = &[
+            field("tools", Unit::AnthTool, true, Part::Other),
+            field("system", Unit::AnthSystem, false, Part::System),
+            field("messages", Unit::AnthMessage, true, Part::History),
+        ];
+        FIELDS
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")
+    }
+    fn agent_session_id<'a>(&self, req: &RequestView<'a>) -> Option<Cow<'a, str>> {
+        // Claude Code: `metadata.user_id` names the conversation.
+        #[derive(serde::Deserialize)]
+        struct Metadata<'a> {
+            #[serde(borrow)]
+            user_id: Option<Cow<'a, str>>,
+        }
+        let raw = req.raw("metadata")?.get();
+        let user_id = serde_json::from_str::<Metadata<'a>>(raw).ok()?.user_id?;
+        match user_id {
+            Cow::Borrowed(u) => session_of_user_id(u).map(Cow::Borrowed),
+            Cow::Owned(u) => session_of_user_id(&u).map(|s| Cow::Owned(s.to_string())),
+        }
     }
     fn count_request(&self, path: &str, req: &RequestView<'_>) -> Option<(String, Vec<u8>)> {
         let body = super::subset_object(
@@ -90,12 +99,32 @@ impl Provider for Anthropic {
             "cache_creation_input_tokens",
             "cache_read_input_tokens",
             "output_tokens",
+            "context_management",
+            "applied_edits",
+            "cleared_input_tokens",
         ]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
         let usage = match json.get("type").and_then(Node::as_str) {
             Some("message_start") => json.get("message").and_then(|m| m.get("usage")),
-            Some("message_delta") | Some("message") => json.get("usage"),
+            Some("message_delta") | Some("message") => {
+                // Server-side context editing (`clear_tool_uses_*`,
+                // `clear_thinking_*`): on the message, or on the stream's
+                // `message_delta`.
+                if let Some(Node::Arr(edits)) = json
+                    .get("context_management")
+                    .and_then(|c| c.get("applied_edits"))
+                {
+                    if !edits.is_empty() {
+                        let cleared = edits
+                            .iter()
+                            .filter_map(|e| count(e, "cleared_input_tokens"))
+                            .sum();
+                        acc.server_edit = Some(cleared);
+                    }
+                }
+                json.get("usage")
+            }
             Some("error") => {
                 acc.stream_error = true;
                 None
@@ -147,9 +176,124 @@ impl Provider for Anthropic {
     }
 }
 
+/// The conversation id in Claude Code's `metadata.user_id`: either
+/// `user_<hex>_account_<uuid or empty>_session_<uuid>`, or (newer versions)
+/// a JSON object encoded as a string with a `session_id` member. Anything
+/// else, or an id of other characters than letters, digits, `-` and `_`,
+/// is none.
+pub(crate) fn session_of_user_id(user_id: &str) -> Option<&str> {
+    let id = if user_id.starts_with('{') {
+        #[derive(serde::Deserialize)]
+        struct Ids<'a> {
+            #[serde(borrow)]
+            session_id: Option<&'a str>,
+        }
+        serde_json::from_str::<Ids>(user_id).ok()?.session_id?
+    } else {
+        let rest = user_id.strip_prefix("user_")?;
+        let (_, after_account) = rest.split_once("_account_")?;
+        after_account.rsplit_once("_session_").map_or_else(
+            || after_account.strip_prefix("session_"),
+            |(_, id)| Some(id),
+        )?
+    };
+    let well_formed = !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    well_formed.then_some(id)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn session_id_from_either_user_id_form_and_nothing_else() {
+        let s = session_of_user_id;
+        assert_eq!(
+            s("user_5dd07c33da27e6d2968d94ea20bf47a7b090b6b158b82328d54da2909a108e84_account__session_d2e70091-3007-41a3-a916-cb8b0d3098de"),
+            Some("d2e70091-3007-41a3-a916-cb8b0d3098de")
+        );
+        assert_eq!(
+            s("user_abc_account_0a1b2c3d-0000-4000-8000-000000000000_session_7d0e2f61-4b5c"),
+            Some("7d0e2f61-4b5c")
+        );
+        assert_eq!(
+            s(
+                r#"{"device_id":"3f4a","account_uuid":"","session_id":"2c4e1cf0-7a67-4d2e-9a4b-1d16d3f44752"}"#
+            ),
+            Some("2c4e1cf0-7a67-4d2e-9a4b-1d16d3f44752")
+        );
+        for bad in [
+            "",
+            "same-user-across-chats",
+            "user_abc_session_0A1B",
+            "user_abc_account__session_",
+            "user_abc_account__session_has space",
+            "user_abc_account__session_a\"b",
+            r#"{"session_id":""}"#,
+            r#"{"session_id":12}"#,
+            r#"{"device_id":"x"}"#,
+            r#"{"session_id":"x""#,
+            "{",
+        ] {
+            assert_eq!(s(bad), None, "{bad:?}");
+        }
+        let long = format!("user_a_account__session_{}", "a".repeat(129));
+        assert_eq!(s(&long), None);
+    }
+
+    #[test]
+    fn agent_session_id_reads_metadata_only() {
+        let v = RequestView::parse(
+            br#"{"metadata":{"user_id":"user_ab_account__session_c31ac7cf-56a7"},"model":"m"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            Anthropic.agent_session_id(&v).as_deref(),
+            Some("c31ac7cf-56a7")
+        );
+        // Escaped JSON in the string: decoded, then read.
+        let v =
+            RequestView::parse(br#"{"metadata":{"user_id":"{\"session_id\":\"s-1\"}"}}"#).unwrap();
+        assert_eq!(Anthropic.agent_session_id(&v).as_deref(), Some("s-1"));
+        for body in [
+            &br#"{"model":"m"}"#[..],
+            br#"{"metadata":{}}"#,
+            br#"{"metadata":null}"#,
+            br#"{"metadata":{"user_id":7}}"#,
+            br#"{"metadata":"x"}"#,
+        ] {
+            let v = RequestView::parse(body).unwrap();
+            assert_eq!(Anthropic.agent_session_id(&v), None);
+        }
+    }
+
+    #[test]
+    fn context_edits_are_read_from_the_message_and_the_delta() {
+        let keep = Anthropic.reads();
+        let read = |events: &[&str]| {
+            let mut acc = Observed::default();
+            for e in events {
+                let node = crate::pick::pick(e.as_bytes(), keep).unwrap();
+                Anthropic.observe(None, &node, &mut acc);
+            }
+            acc
+        };
+        let body = r#"{"type":"message","usage":{"input_tokens":90},"context_management":{"applied_edits":[{"type":"clear_tool_uses_20250919","cleared_tool_uses":2,"cleared_input_tokens":300},{"type":"clear_thinking_20251015","cleared_thinking_turns":1,"cleared_input_tokens":50}]}}"#;
+        assert_eq!(read(&[body]).server_edit, Some(350));
+        let stream = [
+            r#"{"type":"message_start","message":{"usage":{"input_tokens":90}}}"#,
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":4},"context_management":{"applied_edits":[{"type":"clear_tool_uses_20250919","cleared_input_tokens":120}]}}"#,
+        ];
+        let acc = read(&stream);
+        assert_eq!(acc.server_edit, Some(120));
+        assert_eq!(acc.usage.total_context, Some(90));
+        let none = r#"{"type":"message_delta","usage":{"output_tokens":4},"context_management":{"applied_edits":[]}}"#;
+        assert_eq!(read(&[none]).server_edit, None);
+    }
 
     #[test]
     fn error_shapes() {

@@ -4,9 +4,10 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, Api, CountedField, ErrorShape, Node, Observed, Provider, Usage, ERROR,
-    USAGE_METADATA,
+    count, field, has_member, Api, CountedField, ErrorShape, Node, Observed, Part, Provider, Usage,
+    ERROR, USAGE_METADATA,
 };
+use crate::estimate::Unit;
 use crate::inspect::RequestView;
 
 pub struct Gemini;
@@ -32,20 +33,14 @@ impl Provider for Gemini {
         path.ends_with(":streamGenerateContent")
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[
-            CountedField {
-                name: "systemInstruction",
-                per_element: false,
-            },
-            CountedField {
-                name: "tools",
-                per_element: false,
-            },
-            CountedField {
-                name: "contents",
-                per_element: true,
-            },
-        ]
+        const FIELDS: &[CountedField] = &[
+            field("tools", Unit::GemTool, true, Part::Other),
+            // Gemini takes both spellings.
+            field("systemInstruction", Unit::GemSystem, false, Part::System),
+            field("system_instruction", Unit::GemSystem, false, Part::System),
+            field("contents", Unit::GemContent, true, Part::History),
+        ];
+        FIELDS
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         let cfg: Value = req.get("generationConfig")?;

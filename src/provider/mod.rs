@@ -3,8 +3,11 @@
 //! shapes its SDKs understand. Adding an API is one file here and one line in
 //! [`ALL`].
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
+use crate::estimate::Unit;
 use crate::inspect::RequestView;
 
 mod anthropic;
@@ -91,13 +94,47 @@ pub enum Framing {
     Json,
 }
 
-/// Where a request's countable content lives: a top-level field, and whether
-/// each element of it is a separate unit (cached and counted on its own).
+/// Where a request's countable content lives: a top-level field, how the
+/// estimator counts it, whether each element of it is a separate unit
+/// (cached and counted on its own), and what it is to a conversation. One
+/// table serves the estimator and the session identity, so the two never
+/// disagree on what a request holds.
 #[derive(Debug, Clone, Copy)]
 pub struct CountedField {
     pub name: &'static str,
+    pub unit: Unit,
     /// Array whose elements are messages/items (each framed and cached separately).
     pub per_element: bool,
+    pub part: Part,
+}
+
+/// What a counted field is to a conversation's identity (the fingerprint
+/// and the lane): its system prompt, its history, or neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Instructions before any message.
+    System,
+    /// The messages; those before the first user message belong to the
+    /// system prompt (OpenAI's system and developer messages).
+    History,
+    /// Tool definitions and the like: they change with the agent's
+    /// configuration, not with the conversation.
+    Other,
+}
+
+/// A [`CountedField`] in one line: `field(name, unit, per_element, part)`.
+pub(crate) const fn field(
+    name: &'static str,
+    unit: Unit,
+    per_element: bool,
+    part: Part,
+) -> CountedField {
+    CountedField {
+        name,
+        unit,
+        per_element,
+        part,
+    }
 }
 
 /// A tidemark-made error, to be rendered in the API's own shape.
@@ -120,6 +157,11 @@ pub struct Observed {
     pub response_id: Option<String>,
     /// The stream carried an error event after a 2xx status.
     pub stream_error: bool,
+    /// The provider edited the context on its side before counting it
+    /// (Anthropic `context_management` edits, a Responses compaction): the
+    /// tokens it says it cleared, 0 when it does not say. The count then
+    /// dropped while the request did not.
+    pub server_edit: Option<u64>,
 }
 
 pub trait Provider: Send + Sync + 'static {
@@ -145,6 +187,12 @@ pub trait Provider: Send + Sync + 'static {
 
     /// The response this request continues (Responses `previous_response_id`).
     fn continues(&self, _req: &RequestView<'_>) -> Option<String> {
+        None
+    }
+
+    /// A conversation id the agent put in the body of its own accord
+    /// (SPEC §4's agent identities that live in the API's request shape).
+    fn agent_session_id<'a>(&self, _req: &RequestView<'a>) -> Option<Cow<'a, str>> {
         None
     }
 

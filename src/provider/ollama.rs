@@ -3,9 +3,10 @@
 use serde_json::Value;
 
 use super::{
-    count, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Provider, Usage,
-    ERROR, EVAL_COUNT,
+    count, field, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Part,
+    Provider, Usage, ERROR, EVAL_COUNT,
 };
+use crate::estimate::Unit;
 use crate::inspect::RequestView;
 
 pub struct Ollama;
@@ -25,16 +26,15 @@ impl Provider for Ollama {
         req.get::<bool>("stream").unwrap_or(true)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[
-            CountedField {
-                name: "tools",
-                per_element: false,
-            },
-            CountedField {
-                name: "messages",
-                per_element: true,
-            },
-        ]
+        const FIELDS: &[CountedField] = &[
+            field("tools", Unit::OllamaTool, true, Part::Other),
+            field("system", Unit::OllamaText, false, Part::System),
+            field("messages", Unit::OllamaMessage, true, Part::History),
+            // `/api/generate`'s prompt and images.
+            field("prompt", Unit::OllamaText, false, Part::History),
+            field("images", Unit::OllamaImage, true, Part::Other),
+        ];
+        FIELDS
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         // num_predict: -1 (and -2) mean "no limit".

@@ -2,9 +2,10 @@
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
 use super::{
-    count, first_valued, has_member, last_valued, openai_error_body, truthy, Api, CountedField,
-    ErrorShape, Node, Observed, Provider, Usage, ERROR, USAGE,
+    count, field, first_valued, has_member, last_valued, openai_error_body, truthy, Api,
+    CountedField, ErrorShape, Node, Observed, Part, Provider, Usage, ERROR, USAGE,
 };
+use crate::estimate::Unit;
 use crate::inspect::RequestView;
 
 pub struct OpenAiChat;
@@ -23,20 +24,12 @@ impl Provider for OpenAiChat {
         req.get::<bool>("stream").unwrap_or(false)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[
-            CountedField {
-                name: "tools",
-                per_element: false,
-            },
-            CountedField {
-                name: "functions",
-                per_element: false,
-            },
-            CountedField {
-                name: "messages",
-                per_element: true,
-            },
-        ]
+        const FIELDS: &[CountedField] = &[
+            field("tools", Unit::ChatTool, true, Part::Other),
+            field("functions", Unit::ChatFunction, true, Part::Other),
+            field("messages", Unit::ChatMessage, true, Part::History),
+        ];
+        FIELDS
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_completion_tokens")

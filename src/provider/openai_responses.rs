@@ -1,12 +1,15 @@
 //! OpenAI Responses (`/responses`): usage on the terminal event, and the
 //! response id a later request continues with `previous_response_id`.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use super::{
-    count, has_member, openai_error_body, Api, CountedField, ErrorShape, Node, Observed, Provider,
-    Usage, ERROR, RESPONSE_CREATED, USAGE,
+    count, field, has_member, openai_error_body, Api, CountedField, ErrorShape, Node, Observed,
+    Part, Provider, Usage, ERROR, RESPONSE_CREATED, USAGE,
 };
+use crate::estimate::Unit;
 use crate::inspect::RequestView;
 
 pub struct OpenAiResponses;
@@ -34,26 +37,24 @@ impl Provider for OpenAiResponses {
         req.get::<bool>("stream").unwrap_or(false)
     }
     fn counted_fields(&self) -> &'static [CountedField] {
-        &[
-            CountedField {
-                name: "instructions",
-                per_element: false,
-            },
-            CountedField {
-                name: "tools",
-                per_element: false,
-            },
-            CountedField {
-                name: "input",
-                per_element: true,
-            },
-        ]
+        const FIELDS: &[CountedField] = &[
+            field("tools", Unit::RespTool, true, Part::Other),
+            field("instructions", Unit::RespInstructions, false, Part::System),
+            // A string, or a list of items.
+            field("input", Unit::RespItem, true, Part::History),
+        ];
+        FIELDS
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_output_tokens")
     }
     fn continues(&self, req: &RequestView<'_>) -> Option<String> {
         req.str("previous_response_id").map(|s| s.into_owned())
+    }
+    fn agent_session_id<'a>(&self, req: &RequestView<'a>) -> Option<Cow<'a, str>> {
+        // Codex CLI sends its thread id here (the same as its `session-id`
+        // header), and a prompt cache is per conversation by design.
+        req.str("prompt_cache_key").filter(|k| !k.is_empty())
     }
     fn count_request(&self, path: &str, req: &RequestView<'_>) -> Option<(String, Vec<u8>)> {
         let body = super::subset_object(
@@ -101,6 +102,7 @@ impl Provider for OpenAiResponses {
             "input_tokens_details",
             "cached_tokens",
             "cache_write_tokens",
+            "output",
         ]
     }
     fn observe(&self, _event: Option<&str>, json: &Node, acc: &mut Observed) {
@@ -120,6 +122,16 @@ impl Provider for OpenAiResponses {
         };
         if let Some(id) = r.get("id").and_then(Node::as_str) {
             acc.response_id = Some(id.to_string());
+        }
+        // Server-side compaction (`context_management`): a `compaction`
+        // item among the output. It says nothing of how much it cleared.
+        if let Some(Node::Arr(items)) = r.get("output") {
+            let compacted = items
+                .iter()
+                .any(|i| i.get("type").and_then(Node::as_str) == Some("compaction"));
+            if compacted {
+                acc.server_edit = Some(0);
+            }
         }
         if let Some(u) = r.get("usage").filter(|u| u.is_object()) {
             let details = u.get("input_tokens_details");
@@ -297,5 +309,44 @@ mod websocket_tests {
             v["error"]["message"],
             "This model's maximum context length is 200000 tokens. However, your messages resulted in 190000 tokens. Please reduce the length of the messages."
         );
+    }
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    #[test]
+    fn prompt_cache_key_is_the_agent_session_id() {
+        let v = RequestView::parse(br#"{"prompt_cache_key":"019a-thread","input":"hi"}"#).unwrap();
+        assert_eq!(
+            OpenAiResponses.agent_session_id(&v).as_deref(),
+            Some("019a-thread")
+        );
+        for body in [
+            &br#"{"prompt_cache_key":""}"#[..],
+            br#"{"prompt_cache_key":3}"#,
+            b"{}",
+        ] {
+            let v = RequestView::parse(body).unwrap();
+            assert_eq!(OpenAiResponses.agent_session_id(&v), None);
+        }
+    }
+
+    #[test]
+    fn a_compaction_item_is_a_server_edit() {
+        let keep = OpenAiResponses.reads();
+        let read = |e: &str| {
+            let mut acc = Observed::default();
+            let node = crate::pick::pick(e.as_bytes(), keep).unwrap();
+            OpenAiResponses.observe(None, &node, &mut acc);
+            acc
+        };
+        let done = r#"{"type":"response.completed","response":{"id":"resp_1","output":[{"type":"compaction","id":"cmp_1","encrypted_content":"xyz"},{"type":"message","content":[{"type":"output_text","text":"compaction"}]}],"usage":{"input_tokens":500,"output_tokens":3}}}"#;
+        let acc = read(done);
+        assert_eq!(acc.server_edit, Some(0));
+        assert_eq!(acc.usage.total_context, Some(500));
+        let plain = r#"{"object":"response","id":"resp_2","output":[{"type":"message","content":[{"type":"output_text","text":"compaction"}]}],"usage":{"input_tokens":5,"output_tokens":1}}"#;
+        assert_eq!(read(plain).server_edit, None);
     }
 }

@@ -123,7 +123,7 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
     }
     let cfg = &state.config;
     let model = p.model(&hs.path, &view);
-    let id = proxy::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
+    let mut id = proxy::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
     let estimate = match proxy::estimate(&state, p, &view, Some(event.clone()), model.as_deref()) {
         Estimating::Done(e) => e,
         Estimating::Elsewhere(f) => match f.await {
@@ -143,8 +143,11 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         _ => None,
     };
     let key = id.key.clone();
+    // Each stream of the multi-stream beta is a lane of its own.
+    let stream = wire::stream_id(&view);
     let facts = RequestFacts {
         key: id.key,
+        source: id.source,
         credential: id.credential,
         api: Api::OpenAiResponses,
         model,
@@ -153,9 +156,10 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         window,
         counted: None,
         continues: p.continues(&view),
+        content: id.content.get(p, &view).unwrap_or_default(),
+        stream: stream.as_deref(),
     };
-    let begun = proxy::project(&state, series, facts, None, None);
-    let stream = wire::stream_id(&view);
+    let begun = proxy::project(&state, series, facts, None).await;
     let proj = &begun.projection;
     tracing::info!(
         session = key.as_deref().unwrap_or("none"),
@@ -183,7 +187,6 @@ pub fn end_turn(state: &Local, turn: Turn, status: u16, completed: bool, observe
         state,
         turn.series,
         turn.estimate,
-        None,
         turn.begun,
         status,
         completed,
@@ -279,7 +282,7 @@ async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision
                 return reject(turn, over);
             };
             over_budget(OnOver::Trim);
-            state.sessions.reproject(&mut turn.begun, est);
+            state.store.reproject(&mut turn.begun, est);
             turn.estimate = est;
             let after = turn.begun.projection.tokens + reserve;
             if let Some(k) = turn.cut_key.clone() {
