@@ -956,6 +956,44 @@ async fn trim_forwards_a_smaller_event() {
     proxy.stop().await;
 }
 
+/// A client that drops the connection as soon as its answer is complete
+/// (Codex does, without a close frame), while the turn's long, never-seen
+/// history is still being estimated: the turn is still recorded, anchored
+/// on the usage its response carried.
+#[tokio::test]
+async fn a_turn_still_being_estimated_when_the_client_drops_is_recorded() {
+    let _sockets = SOCKETS.read().await;
+    let received = Received::default();
+    let up = responses_upstream(Arc::clone(&received), false).await;
+    let proxy = proxy(&format!("http://{up}"), &[]).await;
+    let mut ws = responses_client(&proxy, &[("x-session-id", "ws-dropped")]).await;
+    // Words no other test tokenizes, so nothing of it is cached.
+    let history: String = (0..400_000u64)
+        .map(|i| format!("w{:x} ", i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40))
+        .collect();
+    let event = json!({"type": "response.create", "model": "gpt-4o", "input": [user(&history)]});
+    let got = turn(&mut ws, event, &["response.completed"]).await;
+    let real = got.last().unwrap()["response"]["usage"]["input_tokens"]
+        .as_u64()
+        .unwrap();
+    drop(ws);
+    within(30, async {
+        loop {
+            let (parts, body) = get(&client_h1(), &proxy.admin_url("/sessions/ws-dropped")).await;
+            if parts.status == 200 {
+                let s: Value = serde_json::from_slice(&body).unwrap();
+                if s["turns"] == 1 {
+                    assert_eq!(s["anchor"]["real"], json!(real), "{s}");
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    proxy.stop().await;
+}
+
 /// Two streams on one socket (the multi-stream beta), whose responses
 /// finish in the other order: each turn is recorded with its own
 /// stream's usage, so each conversation's session is anchored on its own

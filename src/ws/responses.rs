@@ -348,7 +348,48 @@ pub struct Responses {
     client_takeover: bool,
     jobs: VecDeque<Job>,
     /// Turns begun and not yet ended, per stream, oldest first.
-    open: HashMap<Option<String>, VecDeque<Turn>>,
+    open: OpenTurns,
+}
+
+/// Turns begun and not yet ended, per stream, oldest first.
+type OpenTurns = HashMap<Option<String>, VecDeque<Turn>>;
+
+/// A server event ended the oldest open turn of its stream: recorded.
+fn close_turn(state: &Local, open: &mut OpenTurns, e: Ended) {
+    let turn = open.get_mut(&e.stream_id).and_then(VecDeque::pop_front);
+    if let Some(turn) = turn {
+        end_turn(state, turn, e.status, true, e.observed);
+    }
+}
+
+/// A turn begun; past [`MAX_OPEN`] the oldest open one is given up.
+fn opened(state: &Local, open: &mut OpenTurns, turn: Turn) {
+    if open.values().map(VecDeque::len).sum::<usize>() >= MAX_OPEN {
+        let oldest = open
+            .iter_mut()
+            .filter_map(|(k, q)| Some((q.front()?.begun.ticket.seq(), k.clone())))
+            .min();
+        let given_up = oldest.and_then(|(_, k)| {
+            let q = open.get_mut(&k)?;
+            let t = q.pop_front();
+            if q.is_empty() {
+                open.remove(&k);
+            }
+            t
+        });
+        if let Some(t) = given_up {
+            end_turn(state, t, 502, false, Observed::default());
+        }
+    }
+    open.entry(turn.stream.clone()).or_default().push_back(turn);
+}
+
+/// The turns a socket ended before their response did: failed, as an
+/// HTTP request the upstream reset (no anchor, no loss).
+fn fail_open(state: &Local, open: OpenTurns) {
+    for turn in open.into_values().flatten() {
+        end_turn(state, turn, 502, false, Observed::default());
+    }
 }
 
 /// The masking key of the first frame in `raw` (a client's frames all
@@ -450,38 +491,11 @@ impl Responses {
     }
 
     fn close_turn(&mut self, e: Ended) {
-        let turn = self
-            .open
-            .get_mut(&e.stream_id)
-            .and_then(VecDeque::pop_front);
-        if let Some(turn) = turn {
-            end_turn(&self.state, turn, e.status, true, e.observed);
-        }
+        close_turn(&self.state, &mut self.open, e);
     }
 
     fn opened(&mut self, turn: Turn) {
-        if self.open.values().map(VecDeque::len).sum::<usize>() >= MAX_OPEN {
-            let oldest = self
-                .open
-                .iter_mut()
-                .filter_map(|(k, q)| Some((q.front()?.begun.ticket.seq(), k.clone())))
-                .min();
-            let given_up = oldest.and_then(|(_, k)| {
-                let q = self.open.get_mut(&k)?;
-                let t = q.pop_front();
-                if q.is_empty() {
-                    self.open.remove(&k);
-                }
-                t
-            });
-            if let Some(t) = given_up {
-                end_turn(&self.state, t, 502, false, Observed::default());
-            }
-        }
-        self.open
-            .entry(turn.stream.clone())
-            .or_default()
-            .push_back(turn);
+        opened(&self.state, &mut self.open, turn);
     }
 
     fn client_bytes(&mut self, data: Bytes, to_server: &mut Out, to_client: &mut Out) {
@@ -701,12 +715,31 @@ impl Watch for Responses {
     }
 
     fn end(&mut self) {
-        // Turns the socket ended before their response did: failed, as an
-        // HTTP request the upstream reset (no anchor, no loss).
-        let open = std::mem::take(&mut self.open);
-        for turn in open.into_values().flatten() {
-            end_turn(&self.state, turn, 502, false, Observed::default());
+        // Turns still being begun when the socket ended are finished in a
+        // task of their own, and the ends heard after them applied: Codex
+        // drops the connection as soon as its answer is complete, often
+        // before the estimate of a cold history is.
+        let jobs = std::mem::take(&mut self.jobs);
+        let mut open = std::mem::take(&mut self.open);
+        if jobs.is_empty() {
+            fail_open(&self.state, open);
+            return;
         }
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            for job in jobs {
+                match job {
+                    Job::Begin(f) => {
+                        if let Some(turn) = f.await {
+                            count_over_budget(&state, &turn);
+                            opened(&state, &mut open, turn);
+                        }
+                    }
+                    Job::End(e) => close_turn(&state, &mut open, e),
+                }
+            }
+            fail_open(&state, open);
+        });
     }
 }
 
