@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test run, on a fresh machine: installs what tests need beyond
-# cargo (Python SDK clients into target/venv, redis-server; Prometheus and docker-compose are
-# installed by scripts/check-prometheus.sh, which the metrics test runs), then
-# runs every test. Used by README and .ci/run.
+# cargo (Python SDK clients into target/venv, redis-server, the pinned coding
+# agents and Node when missing via scripts/agents.sh; Prometheus and
+# docker-compose are installed by scripts/check-prometheus.sh, which the
+# metrics test runs), then runs every test. Used by README and .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,9 +38,10 @@ apt_install() {
 # virtual environment of the project's own: stock Debian 12 and Ubuntu 24.04
 # refuse `pip install` outside one (PEP 668) and come without python3-venv.
 # The tests run this interpreter (TIDEMARK_PYTHON; tests/sdk_python.rs
-# falls back to target/venv/bin/python, then python3).
+# falls back to target/venv/bin/python, then python3). `realtime` brings
+# the websockets client of `client.responses.connect()` (tests/agents.rs).
 VENV=target/venv
-if ! "$VENV/bin/python" -c 'import openai, anthropic' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import openai, anthropic, websockets' 2>/dev/null; then
     command -v python3 >/dev/null || apt_install python3
     if ! python3 -m venv "$VENV" 2>/dev/null; then
         # Without ensurepip (python3-venv) venv fails half-way: start over.
@@ -47,13 +49,18 @@ if ! "$VENV/bin/python" -c 'import openai, anthropic' 2>/dev/null; then
         apt_install python3-venv
         python3 -m venv "$VENV"
     fi
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check openai anthropic
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check 'openai[realtime]' anthropic
 fi
 export TIDEMARK_PYTHON="$PWD/$VENV/bin/python"
 # A real Redis for the shared-state tests.
 if ! command -v redis-server >/dev/null; then
     apt_install redis-server
 fi
+
+# Claude Code, Codex CLI, opencode and Gemini CLI, pinned, into
+# target/agents (and Node into target/venv when the machine has none), for
+# tests/agents.rs.
+bash scripts/agents.sh
 
 cargo build --tests --all-targets
 cargo test --all-targets -- --test-threads=2
