@@ -175,11 +175,12 @@ fn tail(s: &str) -> &str {
 }
 
 /// SIGKILL to a process group this test started (whatever a CLI left
-/// running behind it).
+/// running behind it: Codex's and Gemini CLI's Node launchers start the
+/// real process as a child). The shell's own `kill`, which every machine
+/// has, procps or not.
 fn kill_group(pgid: u32) {
-    let _ = std::process::Command::new("kill")
-        .args(["-KILL", "--", &format!("-{pgid}")])
-        .stderr(Stdio::null())
+    let _ = std::process::Command::new("sh")
+        .args(["-c", &format!("kill -9 -- -{pgid} 2>/dev/null")])
         .status();
 }
 
