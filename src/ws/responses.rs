@@ -142,7 +142,6 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
             .map(|k| format!("{}\u{0}{k}", id.credential)),
         _ => None,
     };
-    let key = id.key.clone();
     // Each stream of the multi-stream beta is a lane of its own.
     let stream = wire::stream_id(&view);
     let facts = RequestFacts {
@@ -161,8 +160,10 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
     };
     let begun = proxy::project(&state, series, facts, None).await;
     let proj = &begun.projection;
+    // The session the turn went to: a chained turn's is the response's it
+    // continues, not the key its own content would have given.
     tracing::info!(
-        session = key.as_deref().unwrap_or("none"),
+        session = begun.key.as_deref().unwrap_or("none"),
         projection = proj.tokens,
         src = proj.src.as_str(),
         window = proj.window,
