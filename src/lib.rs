@@ -19,7 +19,8 @@
 //!    Responses API's WebSocket mode (`ws/responses.rs`) the frames are
 //!    read (`ws/frame.rs`, `ws/deflate.rs`) and each `response.create`
 //!    event is a turn through the same phases as a POST (`proxy.rs`:
-//!    `identify`, `estimate`, `project`, `decide`, `record`).
+//!    `identify`, `estimate`, `project`, `decide`, `record`), except a
+//!    warm-up (`generate: false`, Codex's first event on every socket).
 //! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
 //!    once, strictly as serde_json would validate it, into a borrowed view of

@@ -994,6 +994,60 @@ async fn a_turn_still_being_estimated_when_the_client_drops_is_recorded() {
     proxy.stop().await;
 }
 
+/// Codex's warm-up (`generate: false`, empty input) opens every socket and
+/// its real turn continues it: a warm-up is no turn. Two processes' worth
+/// (exec, then resume on a new socket with the whole history) are one
+/// session of two turns, no compaction, the second anchored on the first.
+#[tokio::test]
+async fn a_warmup_is_neither_a_turn_nor_a_compaction() {
+    let _sockets = SOCKETS.read().await;
+    let received = Received::default();
+    let up = responses_upstream(Arc::clone(&received), false).await;
+    let proxy = proxy(&format!("http://{up}"), &[]).await;
+    let developer = json!({"type": "message", "role": "developer",
+        "content": [{"type": "input_text", "text": "You are a coding agent. ".repeat(200)}]});
+    let mut history = vec![
+        developer,
+        user("<environment_context>cwd</environment_context>"),
+    ];
+    let mut reals = Vec::new();
+    for prompt in ["say hi", "again"] {
+        let mut ws = responses_client(&proxy, &[("session-id", "ws-warmup")]).await;
+        let warm = json!({"type": "response.create", "model": "gpt-4o", "generate": false,
+            "input": []});
+        let got = turn(&mut ws, warm, &["response.completed"]).await;
+        let warm_id = got.last().unwrap()["response"]["id"].clone();
+        history.push(user(prompt));
+        let event = json!({"type": "response.create", "model": "gpt-4o",
+            "previous_response_id": warm_id, "input": history});
+        let got = turn(&mut ws, event, &["response.completed"]).await;
+        let done = got.last().unwrap();
+        reals.push(done["response"]["usage"]["input_tokens"].as_u64().unwrap());
+        history.push(json!({"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "ok"}]}));
+        drop(ws);
+        let want = reals.len();
+        within(10, async {
+            while session(&proxy, "ws-warmup").await["anchor"]["real"] != json!(reals[want - 1]) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+    }
+    let s = session(&proxy, "ws-warmup").await;
+    assert_eq!(s["turns"], 2, "{s}");
+    assert_eq!(s["compactions"], 0, "{s}");
+    assert_eq!(s["lanes"].as_array().unwrap().len(), 1, "{s}");
+    assert_eq!(s["state"], "anchored");
+    // The resumed turn was projected from the first turn's real count.
+    let projection = s["projection"].as_u64().unwrap();
+    assert!(
+        projection > reals[0] && projection < reals[1] * 2,
+        "projection {projection}, reals {reals:?}"
+    );
+    proxy.stop().await;
+}
+
 /// Two streams on one socket (the multi-stream beta), whose responses
 /// finish in the other order: each turn is recorded with its own
 /// stream's usage, so each conversation's session is anchored on its own

@@ -171,6 +171,15 @@ pub mod websocket {
         event.str("type").as_deref() == Some("response.create")
     }
 
+    /// A `response.create` that asks for no output (`"generate": false`):
+    /// a warm-up of the connection and its prompt cache, no turn of the
+    /// conversation. Codex CLI 0.169 sends one with an empty `input` as the
+    /// first event of every socket, and continues it with the real turn's
+    /// `previous_response_id` (tests/fixtures/agents/README.md).
+    pub fn is_warmup(event: &RequestView<'_>) -> bool {
+        event.get::<bool>("generate") == Some(false)
+    }
+
     /// The stream a client event (or a server event) belongs to; `None` on
     /// a socket that carries one response at a time.
     pub fn stream_id(event: &RequestView<'_>) -> Option<String> {

@@ -1,7 +1,8 @@
 //! The Responses API's WebSocket mode (`/v1/responses` upgraded): each
 //! client `response.create` event is a turn, identified, estimated and
 //! projected like a POST body (the HTTP spine's phases, `proxy.rs`), and
-//! each server event that ends a response records it.
+//! each server event that ends a response records it. A warm-up
+//! (`generate: false`) is no turn: it only holds its place in line.
 //!
 //! No frame is altered unless a policy acts. With `--on-over pass` and no
 //! session budget, client bytes are forwarded as they arrive and a copy is
@@ -112,14 +113,35 @@ pub struct Turn {
     cut_key: Option<String>,
 }
 
+/// What a client `response.create` starts.
+pub enum Create {
+    Turn(Box<Turn>),
+    /// A response that is no turn of the conversation: a warm-up
+    /// (`generate: false`, Codex's prewarm before each process's first
+    /// turn), which sends no conversation and generates nothing. It is
+    /// neither projected nor recorded: begun in its session it would read
+    /// as a shrink of the lane (a compaction on every resumed Codex run)
+    /// and its small count would replace the conversation's anchor. It
+    /// holds its place among its stream's open responses, so the end it
+    /// gets is not taken for a turn's.
+    Warmup {
+        stream: Option<String>,
+    },
+}
+
 /// begin: a client event, if it is a `response.create`, as a turn —
 /// identified by the handshake's headers and the event's own members,
 /// estimated, projected; logged (key, projection, src: never content).
-pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Option<Turn> {
+pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Option<Create> {
     let p = Api::OpenAiResponses.provider();
     let view = RequestView::parse(&event)?;
     if !wire::is_response_create(&view) {
         return None;
+    }
+    if wire::is_warmup(&view) {
+        return Some(Create::Warmup {
+            stream: wire::stream_id(&view),
+        });
     }
     let cfg = &state.config;
     let model = p.model(&hs.path, &view);
@@ -171,14 +193,14 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         stream = stream.as_deref(),
         "websocket turn"
     );
-    Some(Turn {
+    Some(Create::Turn(Box::new(Turn {
         series,
         estimate: estimate.tokens,
         begun,
         stream,
         max_output: p.max_output_tokens(&view),
         cut_key,
-    })
+    })))
 }
 
 /// end: a turn's outcome reaches the session and the metrics, as a
@@ -199,7 +221,7 @@ pub fn end_turn(state: &Local, turn: Turn, status: u16, completed: bool, observe
 enum Decision {
     /// Not a turn (another event, or not JSON): forwarded as it came.
     NotATurn,
-    Forward(Turn),
+    Forward(Create),
     /// Answered with this `error` event; the turn failed with `status`.
     Reject {
         event: Vec<u8>,
@@ -215,8 +237,10 @@ enum Decision {
 
 /// decide: the HTTP policy, applied to one event.
 async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision {
-    let Some(mut turn) = begin_turn(state.clone(), hs, event.clone()).await else {
-        return Decision::NotATurn;
+    let mut turn = match begin_turn(state.clone(), hs, event.clone()).await {
+        None => return Decision::NotATurn,
+        Some(w @ Create::Warmup { .. }) => return Decision::Forward(w),
+        Some(Create::Turn(t)) => *t,
     };
     let cfg = &state.config;
     let m = metrics::get();
@@ -241,7 +265,7 @@ async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision
     };
     let (projected, window, limit, reserve) = match proxy::decide(cfg, &turn.begun, turn.max_output)
     {
-        Verdict::Pass => return Decision::Forward(turn),
+        Verdict::Pass => return Decision::Forward(Create::Turn(Box::new(turn))),
         Verdict::SessionBudget(err) => return reject(turn, err),
         Verdict::Over {
             projected,
@@ -259,7 +283,7 @@ async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision
     match cfg.on_over {
         OnOver::Pass => {
             over_budget(OnOver::Pass);
-            Decision::Forward(turn)
+            Decision::Forward(Create::Turn(Box::new(turn)))
         }
         OnOver::Reject => {
             over_budget(OnOver::Reject);
@@ -318,7 +342,7 @@ struct Deciding {
 /// Work on turns, done in the order its causes arrived on the socket.
 enum Job {
     /// A turn being begun (estimated on a copy, the event already forwarded).
-    Begin(Pin<Box<dyn Future<Output = Option<Turn>> + Send>>),
+    Begin(Pin<Box<dyn Future<Output = Option<Create>> + Send>>),
     /// A server event that ends a response, waiting for the begins before it.
     End(Ended),
 }
@@ -352,23 +376,33 @@ pub struct Responses {
     open: OpenTurns,
 }
 
-/// Turns begun and not yet ended, per stream, oldest first.
-type OpenTurns = HashMap<Option<String>, VecDeque<Turn>>;
+/// Responses begun and not yet ended, per stream, oldest first: turns,
+/// and warm-ups (`None`).
+type OpenTurns = HashMap<Option<String>, VecDeque<Option<Turn>>>;
 
-/// A server event ended the oldest open turn of its stream: recorded.
+/// A server event ended the oldest open response of its stream: a turn's
+/// is recorded.
 fn close_turn(state: &Local, open: &mut OpenTurns, e: Ended) {
     let turn = open.get_mut(&e.stream_id).and_then(VecDeque::pop_front);
-    if let Some(turn) = turn {
+    if let Some(Some(turn)) = turn {
         end_turn(state, turn, e.status, true, e.observed);
     }
 }
 
-/// A turn begun; past [`MAX_OPEN`] the oldest open one is given up.
-fn opened(state: &Local, open: &mut OpenTurns, turn: Turn) {
+/// A response begun; past [`MAX_OPEN`] the oldest open one (a warm-up
+/// first) is given up.
+fn opened(state: &Local, open: &mut OpenTurns, create: Create) {
+    let (stream, turn) = match create {
+        Create::Turn(t) => (t.stream.clone(), Some(*t)),
+        Create::Warmup { stream } => (stream, None),
+    };
     if open.values().map(VecDeque::len).sum::<usize>() >= MAX_OPEN {
         let oldest = open
             .iter_mut()
-            .filter_map(|(k, q)| Some((q.front()?.begun.ticket.seq(), k.clone())))
+            .filter_map(|(k, q)| {
+                let seq = q.front()?.as_ref().map_or(0, |t| t.begun.ticket.seq());
+                Some((seq, k.clone()))
+            })
             .min();
         let given_up = oldest.and_then(|(_, k)| {
             let q = open.get_mut(&k)?;
@@ -378,17 +412,17 @@ fn opened(state: &Local, open: &mut OpenTurns, turn: Turn) {
             }
             t
         });
-        if let Some(t) = given_up {
+        if let Some(Some(t)) = given_up {
             end_turn(state, t, 502, false, Observed::default());
         }
     }
-    open.entry(turn.stream.clone()).or_default().push_back(turn);
+    open.entry(stream).or_default().push_back(turn);
 }
 
 /// The turns a socket ended before their response did: failed, as an
 /// HTTP request the upstream reset (no anchor, no loss).
 fn fail_open(state: &Local, open: OpenTurns) {
-    for turn in open.into_values().flatten() {
+    for turn in open.into_values().flatten().flatten() {
         end_turn(state, turn, 502, false, Observed::default());
     }
 }
@@ -495,8 +529,8 @@ impl Responses {
         close_turn(&self.state, &mut self.open, e);
     }
 
-    fn opened(&mut self, turn: Turn) {
-        opened(&self.state, &mut self.open, turn);
+    fn opened(&mut self, create: Create) {
+        opened(&self.state, &mut self.open, create);
     }
 
     fn client_bytes(&mut self, data: Bytes, to_server: &mut Out, to_client: &mut Out) {
@@ -661,9 +695,9 @@ impl Watch for Responses {
                     Decision::NotATurn => {
                         self.forward(d.raw, Kind::Text, d.compressed, Some(&d.payload), to_server)
                     }
-                    Decision::Forward(turn) => {
+                    Decision::Forward(create) => {
                         self.forward(d.raw, Kind::Text, d.compressed, Some(&d.payload), to_server);
-                        self.opened(turn);
+                        self.opened(create);
                     }
                     Decision::Reject {
                         event,
@@ -677,7 +711,7 @@ impl Watch for Responses {
                     Decision::Replace { event, turn } => {
                         self.desync |= lose_window;
                         to_server.push(frame(Opcode::Text, first_mask(&d.raw), &event));
-                        self.opened(turn);
+                        self.opened(Create::Turn(Box::new(turn)));
                     }
                 }
                 while self.deciding.is_none() {
@@ -691,12 +725,12 @@ impl Watch for Responses {
         while let Some(job) = self.jobs.front_mut() {
             match job {
                 Job::Begin(f) => match f.as_mut().poll(cx) {
-                    Poll::Ready(turn) => {
+                    Poll::Ready(create) => {
                         self.jobs.pop_front();
                         progressed = true;
-                        if let Some(turn) = turn {
-                            count_over_budget(&self.state, &turn);
-                            self.opened(turn);
+                        if let Some(create) = create {
+                            count_over_budget(&self.state, &create);
+                            self.opened(create);
                         }
                     }
                     Poll::Pending => break,
@@ -731,9 +765,9 @@ impl Watch for Responses {
             for job in jobs {
                 match job {
                     Job::Begin(f) => {
-                        if let Some(turn) = f.await {
-                            count_over_budget(&state, &turn);
-                            opened(&state, &mut open, turn);
+                        if let Some(create) = f.await {
+                            count_over_budget(&state, &create);
+                            opened(&state, &mut open, create);
                         }
                     }
                     Job::End(e) => close_turn(&state, &mut open, e),
@@ -746,7 +780,10 @@ impl Watch for Responses {
 
 /// `--on-over pass` forwards every event, but one over the line is still
 /// counted, as an HTTP request is.
-fn count_over_budget(state: &Local, turn: &Turn) {
+fn count_over_budget(state: &Local, create: &Create) {
+    let Create::Turn(turn) = create else {
+        return;
+    };
     if let Verdict::Over { .. } = proxy::decide(&state.config, &turn.begun, turn.max_output) {
         metrics::get()
             .over_budget
