@@ -651,6 +651,10 @@ struct Setup {
     cli: &'static str,
     runs: Vec<Vec<&'static str>>,
     env: Vec<(String, String)>,
+    /// Turns (over all sessions) tidemark has recorded once each command
+    /// is done: a response's end is recorded as its last bytes go by,
+    /// which may be just after the CLI has exited.
+    turns: Vec<u64>,
 }
 
 /// The quiet settings of tests/fixtures/agents/README.md, per agent, and
@@ -677,6 +681,7 @@ fn setup(agent: Agent, st: &Stage) -> Setup {
                 cli: "claude",
                 runs,
                 env,
+                turns: vec![1, 2, 3],
             }
         }
         Agent::Codex => {
@@ -699,6 +704,7 @@ fn setup(agent: Agent, st: &Stage) -> Setup {
                 cli: "codex",
                 runs,
                 env,
+                turns: vec![1, 2],
             }
         }
         Agent::OpenCode => {
@@ -732,6 +738,7 @@ fn setup(agent: Agent, st: &Stage) -> Setup {
                 cli: "opencode",
                 runs,
                 env,
+                turns: vec![2, 3],
             }
         }
         Agent::Gemini => {
@@ -756,8 +763,23 @@ fn setup(agent: Agent, st: &Stage) -> Setup {
                 cli: "gemini",
                 runs,
                 env,
+                turns: vec![2, 4],
             }
         }
+    }
+}
+
+/// `/sessions` once it counts `turns` turns in all, or as it is after a
+/// few seconds (the test's assertions then say what is missing).
+async fn recorded(p: &Proxy, turns: u64) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let list = sessions(p).await;
+        let n: u64 = list.iter().filter_map(|s| s["turns"].as_u64()).sum();
+        if n >= turns || Instant::now() > deadline {
+            return list;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -768,14 +790,15 @@ async fn play(agent: Agent, via: Via) -> Played {
         cli: name,
         runs: commands,
         env,
+        turns,
     } = setup(agent, &st);
     let program = cli(name);
     let mut runs = Vec::new();
     let mut after = Vec::new();
-    for args in &commands {
+    for (args, turns) in commands.iter().zip(turns) {
         runs.push(run(&program, args, &st.scratch.work(), &env).await);
         if let Some(p) = &st.proxy {
-            after.push(sessions(p).await);
+            after.push(recorded(p, turns).await);
         }
     }
     Played {
@@ -920,27 +943,29 @@ async fn codex_exec_and_resume_ride_the_websocket_as_one_anchored_session() {
         .expect("Codex sends session-id")
         .to_string();
     assert_eq!(ex[1].header("session-id"), Some(thread.as_str()));
-    // Every event tidemark's tap took, in one session keyed by the thread.
+    // Every turn taken by tidemark's WebSocket tap (a warm-up is none), in
+    // one session keyed by the thread.
     let turns = ws_turns(p.stage.log_mark);
-    assert_eq!(turns.len(), 4, "{turns:#?}");
+    assert_eq!(turns.len(), 2, "{turns:#?}");
     for t in &turns {
         assert_eq!(t.session, thread, "{turns:#?}");
     }
-    assert_eq!(turns[3].src, "anchored", "the resumed turn: {turns:#?}");
+    assert_eq!(turns[1].src, "anchored", "the resumed turn: {turns:#?}");
     let proxy = p.stage.proxy();
     for (k, list) in p.after.iter().enumerate() {
         let s = find(list, &thread)
             .unwrap_or_else(|| panic!("after run {}: no session keyed {thread}: {list:#?}", k + 1));
         assert_eq!(s["api"], "openai-responses");
+        assert_eq!(s["turns"], k as u64 + 1, "after run {}: {s:#}", k + 1);
         assert_eq!(s["state"], "anchored", "after run {}: {s:#}", k + 1);
+        assert_eq!(s["projection"].as_u64(), Some(turns[k].projection), "{s:#}");
     }
     let s = session(proxy, &thread).await;
     assert_eq!(s["key_source"], "agent", "{s:#}");
-    assert_eq!(
-        s["projection"].as_u64(),
-        Some(turns[3].projection),
-        "the last turn's projection in /sessions: {s:#}"
-    );
+    assert_eq!(s["compactions"], 0, "a resumed run is no compaction: {s:#}");
+    let l = lanes(&s);
+    assert_eq!(l.len(), 1, "one main lane: {s:#}");
+    assert_eq!(l[0]["turns"], 2);
     assert_eq!(sessions(proxy).await.len(), 1, "one session in all");
     // The sockets Codex dropped without a close frame are let go.
     within(10, async {
