@@ -982,6 +982,10 @@ async fn anthropic_context_editing_drops_the_count_not_the_body() {
     assert_eq!(reported, r2.sim_count());
     let sess = admin(&px.admin_url("/sessions/ctx-edit")).await;
     assert_eq!(sess["anchor"]["real"], json!(r2.sim_count()), "{sess}");
+    // The provider's own edit re-anchors: no loss, no client compaction.
+    assert_eq!(sess["state"], "anchored", "{sess}");
+    assert_eq!(sess["compactions"], 0, "{sess}");
+    assert_eq!(sess["anchor_losses"], 0, "{sess}");
 
     // count_tokens applies the same edits.
     let mut ct = t2.clone();
@@ -1057,6 +1061,10 @@ async fn responses_compaction_drops_the_count_not_the_body() {
     );
     let sess = admin(&px.admin_url("/sessions/compaction")).await;
     assert_eq!(sess["anchor"]["real"], json!(r2.sim_count()), "{sess}");
+    // The provider's compaction re-anchors: no loss, no client compaction.
+    assert_eq!(sess["state"], "anchored", "{sess}");
+    assert_eq!(sess["compactions"], 0, "{sess}");
+    assert_eq!(sess["anchor_losses"], 0, "{sess}");
     px.stop().await;
 }
 
