@@ -1112,7 +1112,9 @@ const FIELDS: &[&str] = &[
     "turns",
     "anchor",
     "projection",
+    "src",
     "last_real",
+    "drift",
     "window",
     "utilization",
     "calibration",
@@ -1133,7 +1135,9 @@ const LANE_FIELDS: &[&str] = &[
     "turns",
     "anchor",
     "projection",
+    "src",
     "last_real",
+    "drift",
     "window",
     "utilization",
     "calibration",
@@ -1257,6 +1261,14 @@ async fn session_objects_have_the_spec_fields_sorted_and_selectable() {
     let (p, real) = &last["large"];
     assert_eq!(one["projection"].as_u64(), Some(p.tokens));
     assert_eq!(one["last_real"].as_u64(), Some(*real));
+    assert_eq!(one["src"], p.src);
+    // drift: real / projection of the last answered request.
+    let drift = one["drift"].as_f64().expect("drift");
+    assert!(
+        (drift - *real as f64 / p.tokens as f64).abs() < 1e-4,
+        "{drift} vs {real} / {}",
+        p.tokens
+    );
     assert_eq!(one["turns"], 6);
     assert!(one["cumulative"]["input"].as_u64().unwrap() >= *real);
     assert!(one["cumulative"]["output"].as_u64().unwrap() >= 6);

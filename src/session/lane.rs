@@ -135,6 +135,11 @@ pub struct Lane {
     pub last_real: Option<u64>,
     pub projection: u64,
     pub src: Src,
+    /// real / projection of the newest answered request that carried
+    /// usage: how far off the lane's last projection was
+    /// (`tidemark_projection_drift_ratio`, per lane, for `/sessions`).
+    #[serde(default)]
+    pub drift: Option<f64>,
     pub window: Option<u64>,
     pub anchor_losses: u32,
     /// Wall clock, milliseconds since the Unix epoch.
@@ -176,6 +181,7 @@ impl Lane {
             last_real: None,
             projection: 0,
             src: Src::Estimate,
+            drift: None,
             window: None,
             anchor_losses: 0,
             last_seen_ms: 0,
@@ -515,12 +521,13 @@ impl Session {
     }
 
     /// The response of a ticket's request ended: anchor its lane, learn, or
-    /// note a loss. Returns the marginal ratio it taught, for the model.
+    /// note a loss. `projection` is what that request was projected at.
+    /// Returns the marginal ratio it taught, for the model.
     pub(super) fn finish(
         &mut self,
         lane_id: u64,
         seq: u64,
-        estimate: u64,
+        (estimate, projection): (u64, u64),
         outcome: &Outcome,
     ) -> Option<f64> {
         let ok = (200..300).contains(&outcome.status);
@@ -545,8 +552,9 @@ impl Session {
             if seq >= lane.last_ok_seq {
                 lane.last_ok_seq = seq;
                 lane.last_ok_usage = real.is_some();
-                if real.is_some() {
+                if let Some(r) = real {
                     lane.last_real = real;
+                    lane.drift = (projection > 0).then(|| r as f64 / projection as f64);
                 }
             }
             if let Some(real) = real {
@@ -638,7 +646,9 @@ impl Session {
                     "at": rfc3339(a.at_ms),
                 })),
                 "projection": l.map_or(0, |l| l.projection),
+                "src": l.map_or(Src::Estimate, |l| l.src).as_str(),
                 "last_real": l.and_then(|l| l.last_real),
+                "drift": l.and_then(|l| l.drift).map(|d| (d * 10_000.0).round() / 10_000.0),
                 "window": l.and_then(|l| l.window),
                 "utilization": l.and_then(Lane::utilization).map(|u| (u * 1000.0).round() / 1000.0),
                 "calibration": (calibration * 10_000.0).round() / 10_000.0,

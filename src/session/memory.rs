@@ -318,6 +318,7 @@ impl Sessions {
                     lane: 0,
                     seq: 0,
                     estimate,
+                    projection: tokens,
                     model: model.map(Into::into),
                     cold: true,
                     compacted: false,
@@ -393,6 +394,7 @@ impl Sessions {
                 lane: b.lane,
                 seq,
                 estimate: b.estimate,
+                projection: b.tokens,
                 model: model.map(Into::into),
                 cold: b.cold,
                 compacted: b.compacted,
@@ -430,6 +432,7 @@ impl Sessions {
     /// Recompute `turns-left` and the lane's last projection after a change.
     fn refresh(&self, begun: &mut Begun) {
         let p = &mut begun.projection;
+        begun.ticket.projection = p.tokens;
         p.turns_left = turns_left(p.tokens, p.window, begun.growth);
         if let Some((cred, key)) = &begun.ticket.id {
             if let Some(mut slot) = self.map.get_mut(&**key) {
@@ -470,7 +473,12 @@ impl Sessions {
             let mut slot = self.map.get_mut(&*key)?;
             let s = slot.iter_mut().find(|r| r.credential == cred)?;
             let before = s.state();
-            let learned = s.finish(ticket.lane, ticket.seq, ticket.estimate, outcome);
+            let learned = s.finish(
+                ticket.lane,
+                ticket.seq,
+                (ticket.estimate, ticket.projection),
+                outcome,
+            );
             let after = s.state();
             let out = changed.then(|| Changed {
                 lane: s.lanes.iter().find(|l| l.id == ticket.lane).cloned(),

@@ -303,6 +303,9 @@ pub struct Ticket {
     seq: u64,
     /// The estimate of what was sent (after trimming): anchors live in that space.
     estimate: u64,
+    /// What the request was projected at (after a count or a trim): its
+    /// response's real count over this is the lane's `drift`.
+    projection: u64,
     model: Option<Box<str>>,
     /// Projected without an anchor: its response teaches the model's cold ratio.
     cold: bool,
