@@ -69,6 +69,9 @@
 //!    hang-up, the session is anchored (or the loss is made loud) and the drift
 //!    is exported (`metrics.rs`, every metric name in one file).
 //!
+//! The admin listener (`server.rs::admin`) answers `/metrics` and
+//! `/sessions`, and at `/` a live sessions page (`page.rs`, `page.html`).
+//!
 //! `tidemark demo` (`demo.rs`) runs all of this against a simulated provider
 //! (`sim/`, one file per API it speaks) that counts with other tokenizers,
 //! so the drift is real; `tidemark sim` serves it alone, for real agents.
@@ -81,6 +84,7 @@ pub mod h1;
 pub mod inject;
 pub mod inspect;
 pub mod metrics;
+pub mod page;
 pub mod pick;
 pub mod pool;
 pub mod provider;

@@ -426,7 +426,7 @@ fn text(status: StatusCode, s: &'static str) -> Response<ObservedBody> {
 }
 
 /// Compare without leaking the position of the first difference through timing.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = (a.len() ^ b.len()) as u8 | ((a.len() ^ b.len()) >> 8) as u8;
     for (i, x) in a.iter().enumerate() {
         let y = b.get(i % b.len().max(1)).copied().unwrap_or(0);
@@ -435,7 +435,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0 && a.len() == b.len()
 }
 
-fn percent_decode(s: &str) -> String {
+pub(crate) fn percent_decode(s: &str) -> String {
     fn hex(c: u8) -> Option<u8> {
         (c as char).to_digit(16).map(|d| d as u8)
     }
@@ -459,7 +459,7 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
+pub(crate) fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
     query?.split('&').find_map(|kv| {
         kv.split_once('=')
             .filter(|(k, _)| *k == name)
@@ -467,20 +467,29 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
     })
 }
 
-/// The admin API: `/healthz`, `/readyz`, `/metrics`, `/sessions`, `/sessions/{key}`.
+/// `Authorization: Bearer TOKEN` with the `--admin-token`.
+pub(crate) fn bearer_matches(headers: &http::HeaderMap, token: &str) -> bool {
+    let given = headers
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    constant_time_eq(given.as_bytes(), token.as_bytes())
+}
+
+/// The admin API: `/healthz`, `/readyz`, `/metrics`, `/sessions`,
+/// `/sessions/{key}`, and the sessions page at `/` (`page.rs`, which
+/// checks the token its own way: a browser gets a page, not JSON).
 async fn admin(state: &State, req: Request<Incoming>) -> Response<ObservedBody> {
     let path = req.uri().path();
     if path == "/healthz" {
         return text(StatusCode::OK, "ok\n");
     }
+    if path == "/" {
+        return crate::page::serve(state, req).await;
+    }
     if let Some(token) = &state.config.admin_token {
-        let given = req
-            .headers()
-            .get(AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        if !bearer_matches(req.headers(), token) && !crate::page::cookie_grants(&req, token) {
             let mut r = json(
                 StatusCode::UNAUTHORIZED,
                 &serde_json::json!({"error": "admin token required"}),
