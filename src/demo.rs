@@ -78,6 +78,8 @@ struct Stack {
     tasks: Vec<tokio::task::JoinHandle<()>>,
     warn_at: f64,
     limit_at: f64,
+    /// `--admin-token` is set: the page asks for it.
+    admin_token: bool,
 }
 
 impl Stack {
@@ -141,6 +143,7 @@ async fn start(flags: Flags, sim_cfg: SimConfig) -> Result<Stack, String> {
         .local_addr()
         .map_err(|e| format!("admin address: {e}"))?;
     let (warn_at, limit_at) = (config.warn_at, config.limit_at);
+    let admin_token = config.admin_token.is_some();
 
     let (sim_stop, sim_rx) = oneshot::channel::<()>();
     let sim_task = tokio::spawn(sim::serve(sim_listener, sim_cfg, async move {
@@ -163,6 +166,7 @@ async fn start(flags: Flags, sim_cfg: SimConfig) -> Result<Stack, String> {
         tasks: vec![proxy_task, sim_task],
         warn_at,
         limit_at,
+        admin_token,
     })
 }
 
@@ -967,6 +971,27 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     } else {
         indicatif::ProgressBar::hidden()
     };
+    // A wildcard listen address (0.0.0.0 in a container) is not a URL to
+    // copy: show loopback, which is also what a published port maps to.
+    let shown = |a: std::net::SocketAddr| {
+        let mut a = a;
+        if a.ip().is_unspecified() {
+            a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        a
+    };
+    let admin_shown = shown(stack.admin);
+    if keep_running {
+        // First, so the page can be open while the scripted sessions run.
+        println!(
+            "tidemark demo: live sessions page at http://{admin_shown}/{}",
+            if stack.admin_token {
+                " (it asks for the --admin-token)"
+            } else {
+                ""
+            }
+        );
+    }
     println!(
         "tidemark demo: simulated provider (cl100k_base + hidden framing) behind the real proxy at http://{}",
         stack.proxy
@@ -1005,18 +1030,9 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     );
 
     if keep_running {
-        // A wildcard listen address (0.0.0.0 in a container) is not a URL to
-        // copy: show loopback, which is also what a published port maps to.
-        let shown = |a: std::net::SocketAddr| {
-            let mut a = a;
-            if a.ip().is_unspecified() {
-                a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-            }
-            a
-        };
-        let (proxy_shown, admin_shown) = (shown(stack.proxy), shown(stack.admin));
-        let base = format!("http://{proxy_shown}");
+        let base = format!("http://{}", shown(stack.proxy));
         println!("\ntidemark is up in front of the simulated provider (Ctrl-C to stop):");
+        println!("  sessions page:       http://{admin_shown}/");
         println!("  OpenAI base URL:     {base}/v1");
         println!("  Anthropic base URL:  {base}");
         println!("  metrics:             http://{admin_shown}/metrics");

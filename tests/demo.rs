@@ -5,6 +5,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
+use http_body_util::BodyExt;
 use serde_json::Value;
 use tidemark::estimate::Estimator;
 use tidemark::inspect::RequestView;
@@ -190,8 +191,13 @@ async fn keep_running_serves_until_sigterm() {
         .expect("spawn tidemark demo --keep-running");
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
-    let (mut base, mut metrics) = (None, None);
+    let (mut base, mut metrics, mut page) = (None, None, None);
     tokio::time::timeout(Duration::from_secs(120), async {
+        // The sessions page first, to open while the scripted sessions run.
+        let first = lines.next_line().await.unwrap().unwrap_or_default();
+        page = first
+            .strip_prefix("tidemark demo: live sessions page at ")
+            .map(|u| u.trim().to_string());
         while let Some(l) = lines.next_line().await.unwrap() {
             let l = l.trim();
             if let Some(u) = l.strip_prefix("OpenAI base URL:") {
@@ -205,6 +211,7 @@ async fn keep_running_serves_until_sigterm() {
     })
     .await
     .expect("the URLs are printed");
+    let page = page.expect("the sessions page's address on the first line");
     let base = base.expect("OpenAI base URL line");
     let metrics = metrics.expect("metrics line");
     assert!(base.ends_with("/v1") && !base.contains(":0/"), "{base}");
@@ -235,6 +242,25 @@ async fn keep_running_serves_until_sigterm() {
     .unwrap()
     .unwrap();
     assert_eq!(m.status(), 200);
+    let p = tokio::time::timeout(Duration::from_secs(20), client.get(page.parse().unwrap()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.status(), 200, "{page}");
+    assert!(p.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    let html = tokio::time::timeout(Duration::from_secs(20), p.into_body().collect())
+        .await
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+    let html = String::from_utf8_lossy(&html);
+    assert!(
+        html.contains("data-key=\"demo-openai-chat-1\""),
+        "the demo's sessions on the page"
+    );
 
     let pid = child.id().expect("running").to_string();
     let st = std::process::Command::new("kill")
