@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test run, on a fresh machine: installs what tests need beyond
 # cargo (Python SDK clients into target/venv, redis-server, the pinned coding
-# agents and Node when missing via scripts/agents.sh; Prometheus and
+# agents and Node when missing via scripts/agents.sh, chromium and
+# playwright-core into target/browser via scripts/browser.sh; Prometheus and
 # docker-compose are installed by scripts/check-prometheus.sh, which the
 # metrics test runs), then runs every test. Used by README and .ci/run.
 set -euo pipefail
@@ -56,6 +57,9 @@ export TIDEMARK_PYTHON="$PWD/$VENV/bin/python"
 if ! command -v redis-server >/dev/null; then
     apt_install redis-server
 fi
+# Debian's Chromium and playwright-core (target/browser) for the sessions
+# page's browser test, tests/page.rs.
+bash scripts/browser.sh
 
 # Claude Code, Codex CLI, opencode and Gemini CLI, pinned, into
 # target/agents (and Node into target/venv when the machine has none), for

@@ -135,6 +135,22 @@ pub async fn upstream(handler: Handler) -> Upstream {
     }
 }
 
+/// The simulated provider (`tidemark::sim`) on a free port, stopped on drop.
+pub struct Sim {
+    pub url: String,
+    _stop: oneshot::Sender<()>,
+}
+
+pub async fn sim(cfg: tidemark::sim::SimConfig) -> Sim {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(tidemark::sim::serve(l, cfg, async move {
+        let _ = rx.await;
+    }));
+    Sim { url, _stop: tx }
+}
+
 /// A handler from a plain closure returning a response.
 pub fn handler<F>(f: F) -> Handler
 where
