@@ -528,6 +528,43 @@ mod tests {
         assert_eq!(clock("bad"), "");
     }
 
+    /// The server's table marks what the script marks (tests/page.rs
+    /// checks the script's in a browser).
+    #[test]
+    fn lane_rows_mark_losses_and_cache_busts() {
+        let lane = serde_json::json!({
+            "id": "00000000000000aa", "model": "m<1>", "state": "lost", "turns": 3,
+            "projection": 900, "window": 1000, "src": "lost", "drift": 1.23456,
+            "anchor": null, "anchor_losses": 2,
+            "cache": {"hit_ratio": 0.5, "busts": 1, "invalidated_tokens": 2048},
+        });
+        let mut out = String::new();
+        lane_row(&mut out, &lane, 0.8, 0.95);
+        for want in [
+            "data-state=\"lost\"",
+            "<b>m&lt;1&gt;</b>",
+            "<span class=\"marker lost\">anchor lost</span>",
+            "⚓ 2 lost</span>",
+            "<td class=\"drift drift-bad\">1.235</td>",
+            "class=\"bar warn\"",
+            "style=\"width:90.00%\"",
+            "style=\"left:80.00%\"",
+            "style=\"left:95.00%\"",
+            "900 / 1,000 · 90.0%",
+            "<td class=\"cache\">hit 50.0%<span class=\"marker bust\" title=\"cache busts; tokens invalidated\">✖ 1 bust · 2,048 tok</span></td>",
+        ] {
+            assert!(out.contains(want), "{want} in {out}");
+        }
+        let mut plain = lane.clone();
+        plain["state"] = "anchored".into();
+        plain["anchor_losses"] = 0.into();
+        plain.as_object_mut().unwrap().remove("cache");
+        let mut out = String::new();
+        lane_row(&mut out, &plain, 0.8, 0.95);
+        assert!(out.contains("<td class=\"cache\"></td>"), "{out}");
+        assert!(!out.contains("marker"), "{out}");
+    }
+
     #[test]
     fn the_policy_hashes_the_inline_script() {
         let c = csp();
