@@ -32,4 +32,4 @@ if ! cmp -s tests/page/package-lock.json "$prefix/package-lock.json" || [ ! -d "
 fi
 ln -sf "$node_dir/node" "$prefix/bin/node"
 "$prefix/bin/node" -e "require('$prefix/node_modules/playwright-core'); console.log('playwright-core', require('$prefix/node_modules/playwright-core/package.json').version)"
-/usr/bin/chromium --version
+/usr/bin/chromium --version 2>/dev/null
