@@ -52,28 +52,29 @@ impl Counted {
         u64::from(self.meta & CHARS_MAX)
     }
 
-    /// Add its classes to `out`.
+    /// Add its classes to `out` (wide sums: a request's cached messages
+    /// are added up here, a plain add each, no overflow to guard).
     #[inline]
-    pub fn add_to(&self, out: &mut Classes) {
+    pub fn add_to(&self, out: &mut [u64; CLASSES]) {
         let shift = self.meta >> CHARS_BITS;
         if shift == 0 {
-            for (o, &n) in out.0.iter_mut().zip(&self.classes) {
-                *o = o.saturating_add(u32::from(n));
+            for (o, &n) in out.iter_mut().zip(&self.classes) {
+                *o += u64::from(n);
             }
             return;
         }
         // What the shift dropped goes to the largest class.
-        let mut given = 0u32;
+        let mut given = 0u64;
         let mut largest = 0;
         for (i, &n) in self.classes.iter().enumerate() {
-            let v = u32::from(n) << shift;
-            out.0[i] = out.0[i].saturating_add(v);
-            given = given.saturating_add(v);
+            let v = u64::from(n) << shift;
+            out[i] += v;
+            given += v;
             if n > self.classes[largest] {
                 largest = i;
             }
         }
-        out.0[largest] = out.0[largest].saturating_add(self.tokens.saturating_sub(given));
+        out[largest] += u64::from(self.tokens).saturating_sub(given);
     }
 }
 
@@ -291,21 +292,21 @@ mod tests {
         let mut c = Classes::default();
         c.0[0] = 1_000;
         c.0[5] = 65_535;
-        let mut out = Classes::default();
+        let mut out = [0u64; CLASSES];
         Counted::new(&c, 77).add_to(&mut out);
-        assert_eq!(out, c);
+        assert_eq!(out, c.0.map(u64::from));
         assert_eq!(Counted::new(&c, 77).chars(), 77);
         c.0[5] = 3_000_001;
         c.0[2] = 12_345;
         let k = Counted::new(&c, u64::MAX);
         assert_eq!(k.tokens(), c.sum());
         assert_eq!(k.chars(), u64::from(CHARS_MAX));
-        let mut out = Classes::default();
+        let mut out = [0u64; CLASSES];
         k.add_to(&mut out);
-        assert_eq!(out.sum(), c.sum(), "the total exact");
+        assert_eq!(out.iter().sum::<u64>(), c.sum(), "the total exact");
         // Shifted by 6: each class short by less than 64, the largest given the rest.
         for i in 0..CLASSES {
-            let (a, b) = (f64::from(out.0[i]), f64::from(c.0[i]));
+            let (a, b) = (out[i] as f64, f64::from(c.0[i]));
             assert!(
                 (a - b).abs() < 64.0 * CLASSES as f64,
                 "class {i}: {a} vs {b}"

@@ -152,10 +152,8 @@ impl Estimator {
                     }
                 }
                 n = els.len() as u64;
-                sum.classes.add_all(&part.classes);
-                sum.classes
-                    .add(Class::Framing, block_overhead(api, unit, n));
-                sum.chars += part.chars;
+                sum.add_sum(&part);
+                sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
                 continue;
             }
             let unit = match (api, unit) {
@@ -167,8 +165,7 @@ impl Estimator {
                 sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
                 n += 1;
             }
-            sum.classes
-                .add(Class::Framing, block_overhead(api, unit, n));
+            sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
         }
         let reply = match api {
             Api::OpenAiChat | Api::OpenAiResponses => OPENAI_REPLY,
@@ -176,11 +173,11 @@ impl Estimator {
             Api::Gemini => GEMINI_REPLY,
             Api::Ollama => OLLAMA_REPLY,
         };
-        sum.classes.add(Class::Framing, reply);
+        sum.classes[Class::Framing as usize] += reply;
         Some(Estimate {
-            tokens: sum.classes.sum(),
+            tokens: sum.classes.iter().sum(),
             chars: sum.chars,
-            classes: sum.classes,
+            classes: Classes(sum.classes.map(|n| u32::try_from(n).unwrap_or(u32::MAX))),
         })
     }
 
@@ -314,7 +311,7 @@ fn image_class(api: Api, model: Option<&str>) -> u64 {
 
 #[derive(Default)]
 struct Sum {
-    classes: Classes,
+    classes: [u64; CLASSES],
     chars: u64,
 }
 
@@ -322,6 +319,13 @@ impl Sum {
     fn add(&mut self, c: Counted) {
         c.add_to(&mut self.classes);
         self.chars += c.chars();
+    }
+
+    fn add_sum(&mut self, other: &Sum) {
+        for (a, b) in self.classes.iter_mut().zip(other.classes) {
+            *a += b;
+        }
+        self.chars += other.chars;
     }
 }
 
