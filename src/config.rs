@@ -56,8 +56,13 @@ pub struct SimArgs {
     /// always, never.
     #[arg(long, default_value = "asked")]
     pub tools: String,
-    /// Count with the honest column of the sim's counting table.
+    /// Count as the sim first did (Anthropic as the estimator's own
+    /// encoding times 1.15) rather than with the honest column of its
+    /// counting table, the default.
     #[arg(long)]
+    pub today_counting: bool,
+    /// The default now; kept so scripts that pass it keep working.
+    #[arg(long, hide = true)]
     pub honest: bool,
     /// Refuse the Responses WebSocket mode (426).
     #[arg(long)]
@@ -69,10 +74,10 @@ impl SimArgs {
         use crate::sim::{CountingMode, SimConfig, ToolCalls};
         Ok(SimConfig {
             context_window: self.context_window,
-            counting: if self.honest {
-                CountingMode::Honest
-            } else {
+            counting: if self.today_counting {
                 CountingMode::Today
+            } else {
+                CountingMode::Honest
             },
             flavour: self.flavour,
             tool_calls: match self.tools.as_str() {

@@ -993,7 +993,7 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
         );
     }
     println!(
-        "tidemark demo: simulated provider (cl100k_base + hidden framing) behind the real proxy at http://{}",
+        "tidemark demo: simulated provider (OpenAI counted in cl100k_base, Anthropic in p50k_base, + hidden framing) behind the real proxy at http://{}",
         stack.proxy
     );
     let gates = (stack.warn_at, stack.limit_at);

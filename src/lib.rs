@@ -29,7 +29,10 @@
 //! 4. **Estimate** (`estimate/`): each message is tokenized once (bpe-openai,
 //!    the model family's encoding) and cached by an xxh3 of its bytes, so a
 //!    new turn costs only its own tokens (a long history is looked up a cache
-//!    shard at a time); images are sized from their headers.
+//!    shard at a time); images are sized from their headers. Each message's
+//!    tokens are shared among content classes (`estimate/classes.rs`: prose,
+//!    code, JSON, base64, CJK and other scripts, emoji, ...) by cheap
+//!    statistics of its text, cached with its count.
 //!    More than 16 KiB not yet tokenized goes to tokio's blocking pool, so a
 //!    worker's other connections do not wait behind a cold history.
 //! 5. **Session** (`session/`, `window.rs`): who is asking and which
@@ -39,7 +42,10 @@
 //!    request's lane within it (`session/lane.rs`: the main loop, a
 //!    sub-agent, a side call on another model), and that lane's anchor,
 //!    calibration and projection
-//!    `anchor.real + (estimate - anchor.estimate) * calibration`. One store
+//!    `anchor.real + (estimate - anchor.estimate) * calibration`, the
+//!    delta measured class by class with a ratio each, fitted from the
+//!    lane's consecutive anchors against the model's ratios learned across
+//!    sessions (`session/calibration.rs`). One store
 //!    interface (`session/mod.rs`): this process's memory
 //!    (`session/memory.rs`), or Redis shared by replicas
 //!    (`session/redis.rs`); `--exact-cold-start` asks the provider's counter.
@@ -73,8 +79,9 @@
 //! `/sessions`, and at `/` a live sessions page (`page.rs`, `page.html`).
 //!
 //! `tidemark demo` (`demo.rs`) runs all of this against a simulated provider
-//! (`sim/`, one file per API it speaks) that counts with other tokenizers,
-//! so the drift is real; `tidemark sim` serves it alone, for real agents.
+//! (`sim/`, one file per API it speaks) that counts with tokenizers the
+//! estimator never uses for that API, so the drift is real; `tidemark sim`
+//! serves it alone, for real agents.
 #![forbid(unsafe_code)]
 
 pub mod config;

@@ -24,6 +24,8 @@ pub struct Metrics {
     pub output_tokens: IntCounterVec,
     pub estimate_drift: GaugeVec,
     pub projection_drift: GaugeVec,
+    /// real / estimate per content class, the lanes' recent fits.
+    pub class_drift: GaugeVec,
     pub estimate_error: HistogramVec,
     pub projection_error: HistogramVec,
     pub utilization: HistogramVec,
@@ -324,6 +326,12 @@ impl Metrics {
                 "tidemark_projection_drift_ratio",
                 "real / projection, recent",
                 am,
+            ),
+            class_drift: gauge(
+                r,
+                "tidemark_class_drift_ratio",
+                "real / estimate per content class, recent",
+                &["api", "model", "class"],
             ),
             estimate_error: histogram(
                 r,

@@ -666,6 +666,7 @@ async fn api_request(
         api,
         model: model.clone(),
         estimate: estimate.tokens,
+        classes: estimate.classes,
         reset,
         window,
         counted: None,
@@ -748,7 +749,7 @@ async fn api_request(
                     // did not shrink below the line is never forwarded, and
                     // the client hears about the request it sent.
                     let Some((t, est)) = trimmed.filter(|(_, est)| {
-                        (ins.begun.ruler.measure(*est) + reserve) as f64 <= limit
+                        (ins.begun.ruler.measure_estimate(est) + reserve) as f64 <= limit
                     }) else {
                         over_budget(OnOver::Reject);
                         return reject(state, p, ins, &over);
@@ -1190,13 +1191,13 @@ pub(crate) fn trim_request(
     ruler: Ruler,
     reserve: u64,
     window: u64,
-) -> Option<(trim::Trimmed, u64)> {
+) -> Option<(trim::Trimmed, Estimate)> {
     let cfg = &state.config;
     let measure = |b: &[u8]| -> u64 {
         state
             .estimator
             .estimate_body(api, b, model)
-            .map(|e| ruler.measure(e.tokens))
+            .map(|e| ruler.measure_estimate(&e))
             .unwrap_or(u64::MAX)
     };
     let need = ((cfg.trim_to * window as f64) as u64).saturating_sub(reserve);
@@ -1204,7 +1205,7 @@ pub(crate) fn trim_request(
     let prior = cut_key.and_then(|k| state.cuts.get(k).map(|c| c.clone()));
     let t = trim::trim_sticky(api, body, &measure, need, keep, prior.as_ref())?;
     let est = state.estimator.estimate_body(api, &t.body, model)?;
-    Some((t, est.tokens))
+    Some((t, est))
 }
 
 /// Remember a session's cut for its next request, bounded by `--max-sessions`.

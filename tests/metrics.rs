@@ -46,6 +46,11 @@ const SPEC: &[(&str, &str, &[&str])] = &[
         &["api", "model"],
     ),
     (
+        "tidemark_class_drift_ratio",
+        "gauge",
+        &["api", "model", "class"],
+    ),
+    (
         "tidemark_estimate_error_ratio",
         "histogram",
         &["api", "model"],

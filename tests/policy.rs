@@ -793,7 +793,9 @@ async fn session_budget_rejects_once_spent() {
     )
     .await;
     let c = client_h1();
-    let prompt = "tidemark ".repeat(100); // ~200 tokens a request
+    // ~210 tokens a request in both APIs' counting ("tidemark" is three
+    // tokens in Anthropic's p50k_base, one in cl100k_base).
+    let prompt = "the proxy ".repeat(100);
     for (path, key, body) in [
         (
             "/v1/chat/completions",

@@ -1118,6 +1118,7 @@ const FIELDS: &[&str] = &[
     "window",
     "utilization",
     "calibration",
+    "classes",
     "compactions",
     "anchor_losses",
     "cumulative",
@@ -1141,6 +1142,7 @@ const LANE_FIELDS: &[&str] = &[
     "window",
     "utilization",
     "calibration",
+    "classes",
     "anchor_losses",
     "last_seen",
 ];
@@ -1270,6 +1272,15 @@ async fn session_objects_have_the_spec_fields_sorted_and_selectable() {
         p.tokens
     );
     assert_eq!(one["turns"], 6);
+    // Its turns taught it a ratio per content class.
+    let classes = one["classes"].as_object().expect("classes");
+    assert!(classes.contains_key("prose"), "{one}");
+    assert!(
+        classes
+            .values()
+            .all(|r| r.as_f64().is_some_and(|r| (0.25..=8.0).contains(&r))),
+        "{one}"
+    );
     assert!(one["cumulative"]["input"].as_u64().unwrap() >= *real);
     assert!(one["cumulative"]["output"].as_u64().unwrap() >= 6);
 

@@ -112,6 +112,10 @@ fn cl100k(s: &str) -> u64 {
     tiktoken_rs::cl100k_base().unwrap().encode_ordinary(s).len() as u64
 }
 
+fn p50k(s: &str) -> u64 {
+    tiktoken_rs::p50k_base().unwrap().encode_ordinary(s).len() as u64
+}
+
 fn keys(v: &Value) -> BTreeSet<String> {
     v.as_object()
         .map(|o| o.keys().cloned().collect())
@@ -166,9 +170,16 @@ fn counts_are_deterministic_and_follow_the_documented_framing() {
 
     let an = json!({"model":"claude-sonnet-4-5","max_tokens":1,"messages":[{"role":"user","content":text}]});
     let c = count_prompt(SimApi::Anthropic, &an);
-    // 9 per request and 5 per message, then Anthropic's ratio (x1.15, rounded up).
+    // 9 per request and 5 per message, in p50k_base (the honest column).
+    assert_eq!(c.total, 9 + 5 + p50k(text));
+    // The column first written: cl100k_base times 1.15, rounded up.
+    let today = tidemark::sim::count_prompt_with(
+        SimApi::Anthropic,
+        &an,
+        tidemark::sim::CountingMode::Today,
+    );
     let scale = |n: u64| (n as f64 * 1.15).ceil() as u64;
-    assert_eq!(c.total, scale(9) + scale(5 + cl100k(text)));
+    assert_eq!(today.total, scale(9) + scale(5 + cl100k(text)));
 
     // Tools add their JSON plus Anthropic's hidden tool-use system prompt.
     let mut with_tools = an.clone();
@@ -712,6 +723,14 @@ fn the_honest_column_never_uses_the_estimators_encoding() {
             assert_eq!(today, honest, "new APIs count honestly already: {api:?}");
         }
     }
+    // The honest column is what a sim, the demo and the accuracy table count with.
+    assert_eq!(SimConfig::default().counting, CountingMode::Honest);
+    let body = serde_json::json!({"model":"claude-sonnet-4-5","max_tokens":8,
+        "messages":[{"role":"user","content":"上下文窗口的大小决定了模型一次能看到多少内容。"}]});
+    assert_eq!(
+        tidemark::sim::count_prompt(SimApi::Anthropic, &body),
+        tidemark::sim::count_prompt_with(SimApi::Anthropic, &body, CountingMode::Honest)
+    );
 }
 
 // ---------------------------------------------------------------------------

@@ -11,11 +11,71 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Mutex;
 
-/// What one element counted to.
+use super::classes::{Classes, CLASSES};
+
+/// What one element counted to: its tokens, by content class, and its
+/// characters, in 32 bytes (a table entry of 48 with its key). A class
+/// holds up to 65,535 tokens as they are; a larger element's classes are
+/// kept shifted right (its total exact, each class short of less than the
+/// shift's unit, which the largest class gets back).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counted {
-    pub tokens: u32,
-    pub chars: u32,
+    tokens: u32,
+    /// Characters in the low 28 bits (saturating), the classes' shift above.
+    meta: u32,
+    classes: [u16; CLASSES],
+}
+
+const CHARS_BITS: u32 = 28;
+const CHARS_MAX: u32 = (1 << CHARS_BITS) - 1;
+
+impl Counted {
+    pub fn new(classes: &Classes, chars: u64) -> Counted {
+        let tokens = u32::try_from(classes.sum()).unwrap_or(u32::MAX);
+        let max = classes.0.iter().copied().max().unwrap_or(0);
+        let shift = (32 - (max >> 16).leading_zeros()).min(15);
+        let chars = u32::try_from(chars).unwrap_or(u32::MAX).min(CHARS_MAX);
+        Counted {
+            tokens,
+            meta: chars | shift << CHARS_BITS,
+            classes: classes
+                .0
+                .map(|n| u16::try_from(n >> shift).unwrap_or(u16::MAX)),
+        }
+    }
+
+    pub fn tokens(&self) -> u64 {
+        u64::from(self.tokens)
+    }
+
+    pub fn chars(&self) -> u64 {
+        u64::from(self.meta & CHARS_MAX)
+    }
+
+    /// Add its classes to `out` (wide sums: a request's cached messages
+    /// are added up here, a plain add each, no overflow to guard).
+    #[inline]
+    pub fn add_to(&self, out: &mut [u64; CLASSES]) {
+        let shift = self.meta >> CHARS_BITS;
+        if shift == 0 {
+            for (o, &n) in out.iter_mut().zip(&self.classes) {
+                *o += u64::from(n);
+            }
+            return;
+        }
+        // What the shift dropped goes to the largest class.
+        let mut given = 0u64;
+        let mut largest = 0;
+        for (i, &n) in self.classes.iter().enumerate() {
+            let v = u64::from(n) << shift;
+            out[i] += v;
+            given += v;
+            if n > self.classes[largest] {
+                largest = i;
+            }
+        }
+        out[largest] += u64::from(self.tokens).saturating_sub(given);
+    }
 }
 
 /// The key is already a uniform hash: use its low bits as the table hash.
@@ -221,19 +281,47 @@ fn insert(s: &mut Shard, key: u128, c: Counted, budget: usize) {
 mod tests {
     use super::*;
 
+    fn counted(tokens: u32) -> Counted {
+        let mut classes = Classes::default();
+        classes.0[0] = tokens;
+        Counted::new(&classes, 1)
+    }
+
+    #[test]
+    fn counts_stay_exact_and_large_classes_nearly_so() {
+        let mut c = Classes::default();
+        c.0[0] = 1_000;
+        c.0[5] = 65_535;
+        let mut out = [0u64; CLASSES];
+        Counted::new(&c, 77).add_to(&mut out);
+        assert_eq!(out, c.0.map(u64::from));
+        assert_eq!(Counted::new(&c, 77).chars(), 77);
+        c.0[5] = 3_000_001;
+        c.0[2] = 12_345;
+        let k = Counted::new(&c, u64::MAX);
+        assert_eq!(k.tokens(), c.sum());
+        assert_eq!(k.chars(), u64::from(CHARS_MAX));
+        let mut out = [0u64; CLASSES];
+        k.add_to(&mut out);
+        assert_eq!(out.iter().sum::<u64>(), c.sum(), "the total exact");
+        // Shifted by 6: each class short by less than 64, the largest given the rest.
+        for i in 0..CLASSES {
+            let (a, b) = (out[i] as f64, f64::from(c.0[i]));
+            assert!(
+                (a - b).abs() < 64.0 * CLASSES as f64,
+                "class {i}: {a} vs {b}"
+            );
+        }
+        assert_eq!(std::mem::size_of::<Counted>(), 32);
+    }
+
     #[test]
     fn budget_holds_and_recent_entries_survive() {
         let budget = 256 * 1024;
         let c = Cache::new(budget);
         for i in 0..200_000u128 {
             let k = i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835);
-            c.put(
-                k,
-                Counted {
-                    tokens: 1,
-                    chars: 1,
-                },
-            );
+            c.put(k, counted(1));
             if i % 1000 == 0 {
                 assert!(c.bytes() <= budget, "over budget at {i}");
             }
@@ -253,20 +341,14 @@ mod tests {
             .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835))
             .collect();
         for (i, &k) in keys.iter().enumerate().filter(|(i, _)| i % 3 == 0) {
-            c.put(
-                k,
-                Counted {
-                    tokens: i as u32,
-                    chars: 1,
-                },
-            );
+            c.put(k, counted(i as u32));
         }
         let mut found = Vec::new();
         c.get_many(&keys, &mut found);
         assert_eq!(found.len(), keys.len());
         for (i, f) in found.iter().enumerate() {
             match i % 3 {
-                0 => assert_eq!(f.map(|c| c.tokens), Some(i as u32), "key {i}"),
+                0 => assert_eq!(f.map(|c| c.tokens()), Some(i as u64), "key {i}"),
                 _ => assert_eq!(*f, None, "key {i}"),
             }
         }

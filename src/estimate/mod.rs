@@ -4,10 +4,12 @@
 //! where it is public and the closest public one elsewhere.
 //!
 //! Each message (and each system prompt or tool definition) is counted once:
-//! its count is cached under a hash of its exact bytes, so a request that
-//! appends a turn to a long history tokenizes only that turn.
+//! its count, shared among content classes (`classes.rs`), is cached under a
+//! hash of its exact bytes, so a request that appends a turn to a long
+//! history tokenizes and classifies only that turn.
 
 mod cache;
+pub mod classes;
 pub mod images;
 pub mod json;
 pub mod tokenizer;
@@ -20,6 +22,7 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 use crate::inspect::RequestView;
 use crate::provider::{Api, Provider};
 use cache::{Cache, Counted};
+pub use classes::{Class, Classes, CLASSES};
 pub use tokenizer::Encoding;
 pub use walk::Unit;
 use walk::*;
@@ -31,6 +34,18 @@ pub struct Estimate {
     pub tokens: u64,
     /// Characters of counted text, for the `chars/4` baseline.
     pub chars: u64,
+    /// `tokens` by kind of content: a session calibrates each kind apart.
+    pub classes: Classes,
+}
+
+/// An estimate known only by its total (no classes: projected with the single ratio).
+impl From<u64> for Estimate {
+    fn from(tokens: u64) -> Estimate {
+        Estimate {
+            tokens,
+            ..Estimate::default()
+        }
+    }
 }
 
 /// Counters for tests, benchmarks and the curious.
@@ -137,8 +152,8 @@ impl Estimator {
                     }
                 }
                 n = els.len() as u64;
-                sum.tokens += part.tokens + block_overhead(api, unit, n);
-                sum.chars += part.chars;
+                sum.add_sum(&part);
+                sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
                 continue;
             }
             let unit = match (api, unit) {
@@ -150,17 +165,19 @@ impl Estimator {
                 sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
                 n += 1;
             }
-            sum.tokens += block_overhead(api, unit, n);
+            sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
         }
-        sum.tokens += match api {
+        let reply = match api {
             Api::OpenAiChat | Api::OpenAiResponses => OPENAI_REPLY,
             Api::Anthropic => ANTHROPIC_REPLY,
             Api::Gemini => GEMINI_REPLY,
             Api::Ollama => OLLAMA_REPLY,
         };
+        sum.classes[Class::Framing as usize] += reply;
         Some(Estimate {
-            tokens: sum.tokens,
+            tokens: sum.classes.iter().sum(),
             chars: sum.chars,
+            classes: Classes(sum.classes.map(|n| u32::try_from(n).unwrap_or(u32::MAX))),
         })
     }
 
@@ -202,7 +219,7 @@ impl Estimator {
                 .map(|el| {
                     let mut unbounded = usize::MAX;
                     let c = self.unit(api, enc, model, images, unit, el.get(), &mut unbounded);
-                    c.map_or(0, |c| u64::from(c.tokens))
+                    c.map_or(0, |c| c.tokens())
                 })
                 .collect(),
         )
@@ -260,16 +277,13 @@ impl Estimator {
             enc,
             api,
             model,
-            tokens: 0,
+            classes: Classes::default(),
             chars: 0,
             tokenized: 0,
         };
         walk::count(&mut cx, unit, raw);
         self.tokenized.fetch_add(cx.tokenized, Ordering::Relaxed);
-        let c = Counted {
-            tokens: u32::try_from(cx.tokens).unwrap_or(u32::MAX),
-            chars: u32::try_from(cx.chars).unwrap_or(u32::MAX),
-        };
+        let c = Counted::new(&cx.classes, cx.chars);
         self.cache.put(key, c);
         Some(c)
     }
@@ -297,14 +311,21 @@ fn image_class(api: Api, model: Option<&str>) -> u64 {
 
 #[derive(Default)]
 struct Sum {
-    tokens: u64,
+    classes: [u64; CLASSES],
     chars: u64,
 }
 
 impl Sum {
     fn add(&mut self, c: Counted) {
-        self.tokens += u64::from(c.tokens);
-        self.chars += u64::from(c.chars);
+        c.add_to(&mut self.classes);
+        self.chars += c.chars();
+    }
+
+    fn add_sum(&mut self, other: &Sum) {
+        for (a, b) in self.classes.iter_mut().zip(other.classes) {
+            *a += b;
+        }
+        self.chars += other.chars;
     }
 }
 

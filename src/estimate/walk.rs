@@ -16,6 +16,7 @@
 
 use serde_json::value::RawValue;
 
+use super::classes::{self, Class, Classes};
 use super::images::{self, Detail};
 use super::json::{self, get, kind};
 use super::tokenizer::Encoding;
@@ -66,7 +67,8 @@ pub struct Ctx<'m> {
     pub enc: Encoding,
     pub api: Api,
     pub model: Option<&'m str>,
-    pub tokens: u64,
+    /// Tokens by class; the unit's tokens are their sum.
+    pub classes: Classes,
     pub chars: u64,
     /// Bytes handed to the tokenizer (what the incremental test watches).
     pub tokenized: u64,
@@ -77,13 +79,36 @@ impl Ctx<'_> {
         if s.is_empty() {
             return;
         }
-        self.tokens += self.enc.count(s) as u64;
+        let n = self.enc.count(s) as u64;
+        self.chars += classes::attribute(self.enc, s, n, &mut self.classes);
+        self.tokenized += s.len() as u64;
+    }
+
+    /// Text that is the template's rather than the conversation's (a role).
+    fn framing_text(&mut self, s: &str) {
+        if s.is_empty() {
+            return;
+        }
+        self.classes.add(Class::Framing, self.enc.count(s) as u64);
         self.chars += s.chars().count() as u64;
         self.tokenized += s.len() as u64;
     }
 
+    /// The estimator's own framing constants.
     fn add(&mut self, n: u64) {
-        self.tokens += n;
+        self.classes.add(Class::Framing, n);
+    }
+
+    /// Images and documents, priced from their size.
+    fn media(&mut self, n: u64) {
+        self.classes.add(Class::Media, n);
+    }
+
+    /// A role string field, counted as framing.
+    fn role_field(&mut self, obj: &[Member<'_>], key: &str) {
+        if let Some(s) = get(obj, key).and_then(|v| json::string(v.get())) {
+            self.framing_text(&s);
+        }
     }
 
     /// A string counted as its text; anything else as compact JSON.
@@ -116,7 +141,7 @@ impl Ctx<'_> {
                 images::openai_tokens(size, detail, self.model)
             }
         };
-        self.add(n);
+        self.media(n);
     }
 
     /// Unknown shapes: every string leaf as text, except identifiers and
@@ -229,7 +254,7 @@ pub fn count(cx: &mut Ctx<'_>, unit: Unit, raw: &str) {
             cx.add(ANTHROPIC_PER_MESSAGE);
             match json::object(raw) {
                 Some(obj) => {
-                    cx.str_field(&obj, "role");
+                    cx.role_field(&obj, "role");
                     if let Some(c) = get(&obj, "content") {
                         anthropic_content(cx, c.get(), 0);
                     }
@@ -292,7 +317,7 @@ pub fn count(cx: &mut Ctx<'_>, unit: Unit, raw: &str) {
             cx.add(OLLAMA_PER_MESSAGE);
             cx.value(raw);
         }
-        Unit::OllamaImage => cx.add(images::OLLAMA_IMAGE),
+        Unit::OllamaImage => cx.media(images::OLLAMA_IMAGE),
     }
 }
 
@@ -325,7 +350,10 @@ fn chat_message(cx: &mut Ctx<'_>, raw: &str) {
     };
     for (k, v) in &obj {
         match k.as_ref() {
-            "role" => cx.value(v.get()),
+            "role" => match json::string(v.get()) {
+                Some(r) => cx.framing_text(&r),
+                None => cx.value(v.get()),
+            },
             "name" => {
                 cx.value(v.get());
                 cx.add(OPENAI_PER_NAME);
@@ -416,7 +444,7 @@ fn openai_part(cx: &mut Ctx<'_>, raw: &str) {
             let detail = get(&obj, "detail").and_then(|d| json::string(d.get()));
             cx.image(url.as_deref().unwrap_or(""), detail_of(detail.as_deref()));
         }
-        Some("file" | "input_file") => cx.add(images::DOCUMENT_DEFAULT),
+        Some("file" | "input_file") => cx.media(images::DOCUMENT_DEFAULT),
         _ => cx.generic(raw),
     }
 }
@@ -440,7 +468,7 @@ fn responses_item(cx: &mut Ctx<'_>, raw: &str) {
     match ty.as_deref() {
         None | Some("message") => {
             cx.add(OPENAI_PER_MESSAGE);
-            cx.str_field(&obj, "role");
+            cx.role_field(&obj, "role");
             if let Some(c) = get(&obj, "content") {
                 openai_content(cx, c.get());
             }
@@ -512,7 +540,7 @@ fn anthropic_block(cx: &mut Ctx<'_>, raw: &str, depth: u32) {
             let size = get(&src, "data")
                 .and_then(|d| json::string(d.get()))
                 .and_then(|d| images::sniff_base64(&d));
-            cx.add(images::anthropic_tokens(size));
+            cx.media(images::anthropic_tokens(size));
         }
         Some("document") => {
             let src = get(&obj, "source")
@@ -525,7 +553,7 @@ fn anthropic_block(cx: &mut Ctx<'_>, raw: &str, depth: u32) {
                         anthropic_content(cx, c.get(), depth + 1);
                     }
                 }
-                _ => cx.add(images::DOCUMENT_DEFAULT),
+                _ => cx.media(images::DOCUMENT_DEFAULT),
             }
             cx.str_field(&obj, "title");
             cx.str_field(&obj, "context");
@@ -554,7 +582,7 @@ fn gemini_content(cx: &mut Ctx<'_>, raw: &str) {
     match kind(raw) {
         b'{' => {
             let obj = json::object(raw).unwrap_or_default();
-            cx.str_field(&obj, "role");
+            cx.role_field(&obj, "role");
             match get(&obj, "parts") {
                 Some(parts) => gemini_parts(cx, parts.get()),
                 None => gemini_part(cx, raw),
@@ -596,9 +624,9 @@ fn gemini_part(cx: &mut Ctx<'_>, raw: &str) {
         } else {
             None
         };
-        cx.add(images::gemini_tokens(size));
+        cx.media(images::gemini_tokens(size));
     } else if pick("fileData", "file_data").is_some() {
-        cx.add(images::GEMINI_DEFAULT);
+        cx.media(images::GEMINI_DEFAULT);
     } else if let Some(f) = pick("functionCall", "function_call") {
         let f = json::object(f.get()).unwrap_or_default();
         function_call(cx, &f, GEMINI_PER_CALL);
@@ -628,7 +656,7 @@ fn ollama_message(cx: &mut Ctx<'_>, raw: &str) {
         cx.generic(raw);
         return;
     };
-    cx.str_field(&obj, "role");
+    cx.role_field(&obj, "role");
     if let Some(c) = get(&obj, "content") {
         openai_content(cx, c.get());
     }
@@ -636,7 +664,7 @@ fn ollama_message(cx: &mut Ctx<'_>, raw: &str) {
     let attached = get(&obj, "images")
         .and_then(|i| json::array(i.get()))
         .map_or(0, |a| a.len() as u64);
-    cx.add(attached * images::OLLAMA_IMAGE);
+    cx.media(attached * images::OLLAMA_IMAGE);
     for call in get(&obj, "tool_calls")
         .and_then(|c| json::array(c.get()))
         .unwrap_or_default()

@@ -26,7 +26,9 @@
 //! going first, and a lane idle longer than the session TTL is gone.
 use serde::{Deserialize, Serialize};
 
+use super::calibration::{ClassCal, ModelClasses, Taught};
 use super::{push_hex, rfc3339, wall_ms, Anchor, Content, KeySource, Outcome, Ruler, Src, State};
+use crate::estimate::Classes;
 use crate::metrics;
 use crate::provider::Api;
 
@@ -55,6 +57,15 @@ pub(super) struct ModelCal {
     pub cold: Option<f64>,
     /// Marginal ratio of new content.
     pub marginal: Option<f64>,
+    /// Marginal ratio of each content class: where a class new to a lane starts.
+    pub classes: ModelClasses,
+}
+
+/// What a recorded response taught, for the model's ratios.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Learned {
+    pub marginal: Option<f64>,
+    pub classes: Taught,
 }
 
 pub(super) fn ewma(old: Option<f64>, sample: f64, alpha: f64) -> f64 {
@@ -120,6 +131,9 @@ pub struct Lane {
     pub marginal_estimate: f64,
     /// Recent real growth per turn.
     pub growth: Option<f64>,
+    /// The ratio of each content class, and the reference's estimate per class.
+    #[serde(default)]
+    pub classes: ClassCal,
     /// `DELETE /sessions/{key}` happened: the next request is anchor-less.
     pub reset_pending: bool,
     /// Has had a 2xx response.
@@ -171,6 +185,7 @@ impl Lane {
             marginal_real: 0.0,
             marginal_estimate: 0.0,
             growth: None,
+            classes: ClassCal::default(),
             reset_pending: false,
             had_ok: false,
             last_ok_seq: 0,
@@ -279,6 +294,8 @@ pub(super) struct LaneRequest<'a> {
     /// The lane a `previous_response_id` names.
     pub hint: Option<u64>,
     pub estimate: u64,
+    /// The estimate by content class.
+    pub classes: Classes,
     pub reset: bool,
     pub window: Option<u64>,
     pub counted: Option<u64>,
@@ -297,6 +314,8 @@ pub(super) struct LaneBegun {
     pub lane: u64,
     /// The estimate anchors live in (a chained request's includes the stored part).
     pub estimate: u64,
+    /// The same by content class.
+    pub classes: Classes,
     pub tokens: u64,
     pub src: Src,
     pub ruler: Ruler,
@@ -373,11 +392,15 @@ impl Session {
         // A request chained with `previous_response_id` carries only its new
         // input: the provider prepends the stored conversation, so its size
         // is the anchored request's plus this one, not a shrink.
-        let estimate = match lane.anchor {
+        let (estimate, classes) = match lane.anchor {
             Some(a) if r.chained && r.hint == Some(lane.id) => {
-                a.estimate.saturating_add(r.estimate)
+                let mut classes = r.classes;
+                if lane.classes.based_at(a.estimate) {
+                    classes.add_all(&lane.classes.at);
+                }
+                (a.estimate.saturating_add(r.estimate), classes)
             }
-            _ => r.estimate,
+            _ => (r.estimate, r.classes),
         };
         let model = lane.model.as_deref();
         // A shrink is a compaction only against an anchor of an earlier
@@ -407,12 +430,21 @@ impl Session {
                     base_real: a.real as f64,
                     base_estimate: a.estimate as f64,
                     ratio,
+                    classes: lane.classes.ruler_at(a.estimate, &mcal.classes, ratio),
                 };
-                (ruler.measure(estimate), Src::Anchored, ruler, false)
+                (
+                    ruler.measure_classes(estimate, &classes),
+                    Src::Anchored,
+                    ruler,
+                    false,
+                )
             }
             None => {
-                let (ruler, src) = cold_ruler(lane.reference, lane.marginal, &mcal);
-                let (tokens, src, ruler) = apply_counted(ruler, src, r.counted, estimate);
+                let (mut ruler, src) = cold_ruler(lane.reference, lane.marginal, &mcal);
+                if let Some((_, e)) = lane.reference {
+                    ruler.classes = lane.classes.ruler_at(e, &mcal.classes, ratio);
+                }
+                let (tokens, src, ruler) = apply_counted(ruler, src, r.counted, estimate, &classes);
                 (tokens, src, ruler, true)
             }
         };
@@ -446,6 +478,7 @@ impl Session {
         LaneBegun {
             lane: lane_id,
             estimate,
+            classes,
             tokens,
             src,
             ruler,
@@ -502,6 +535,7 @@ impl Session {
             lane.marginal_real = p.marginal_real;
             lane.marginal_estimate = p.marginal_estimate;
             lane.growth = p.growth;
+            lane.classes = p.classes.clone();
             lane.state = lane.derive_state();
         }
         if self.lanes.len() >= MAX_LANES {
@@ -522,14 +556,15 @@ impl Session {
 
     /// The response of a ticket's request ended: anchor its lane, learn, or
     /// note a loss. `projection` is what that request was projected at.
-    /// Returns the marginal ratio it taught, for the model.
+    /// Returns the ratios it taught, for the model.
     pub(super) fn finish(
         &mut self,
         lane_id: u64,
         seq: u64,
-        (estimate, projection): (u64, u64),
+        (estimate, projection, classes): (u64, u64, &Classes),
         outcome: &Outcome,
-    ) -> Option<f64> {
+        model_cal: impl Fn(Option<&str>) -> ModelCal,
+    ) -> Learned {
         let ok = (200..300).contains(&outcome.status);
         let usage = &outcome.usage;
         let real = usage.total_context.filter(|_| ok && outcome.completed);
@@ -543,9 +578,12 @@ impl Session {
         if ok && outcome.completed {
             self.turns += 1;
         }
-        let lane = self.lanes.iter_mut().find(|l| l.id == lane_id)?;
+        let api = self.api;
+        let Some(lane) = self.lanes.iter_mut().find(|l| l.id == lane_id) else {
+            return Learned::default();
+        };
         lane.ver = lane.ver.max(seq);
-        let mut learned = None;
+        let mut learned = Learned::default();
         if ok && outcome.completed {
             lane.turns += 1;
             lane.had_ok = true;
@@ -573,6 +611,14 @@ impl Session {
                             (dr, de) = (-dr, -de);
                         }
                         if de > 0.0 && dr > 0.0 {
+                            let mcal = model_cal(lane.model.as_deref());
+                            let single = lane.marginal.or(mcal.marginal).unwrap_or(dr / de);
+                            learned.classes = lane.classes.learn_anchor(
+                                (e0, classes),
+                                real as f64 - r0 as f64,
+                                (&mcal.classes, single),
+                                (api, lane.model.as_deref()),
+                            );
                             lane.marginal_real = lane.marginal_real * SESSION_DECAY + dr;
                             lane.marginal_estimate = lane.marginal_estimate * SESSION_DECAY + de;
                             if lane.marginal_estimate >= MIN_DELTA as f64 {
@@ -582,7 +628,7 @@ impl Session {
                                 );
                             }
                             if de >= MIN_DELTA as f64 {
-                                learned = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
+                                learned.marginal = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
                             }
                         }
                     }
@@ -601,6 +647,7 @@ impl Session {
                         seq,
                     });
                     lane.reference = Some((real, estimate));
+                    lane.classes.rebase(*classes, estimate);
                     lane.edited = edited;
                     lane.fence = seq + 1;
                 }
@@ -652,6 +699,7 @@ impl Session {
                 "window": l.and_then(|l| l.window),
                 "utilization": l.and_then(Lane::utilization).map(|u| (u * 1000.0).round() / 1000.0),
                 "calibration": (calibration * 10_000.0).round() / 10_000.0,
+                "classes": l.map_or_else(|| serde_json::json!({}), |l| l.classes.render()),
                 "anchor_losses": l.map_or(0, |l| l.anchor_losses),
                 "last_seen": rfc3339(l.map_or(self.last_seen_ms, |l| l.last_seen_ms)),
             })
@@ -712,6 +760,7 @@ pub(super) fn cold_ruler(
                 base_real: real as f64,
                 base_estimate: est as f64,
                 ratio,
+                classes: None,
             },
             Src::Calibrated,
         );
@@ -722,6 +771,7 @@ pub(super) fn cold_ruler(
                 base_real: 0.0,
                 base_estimate: 0.0,
                 ratio,
+                classes: None,
             },
             Src::Calibrated,
         ),
@@ -730,6 +780,7 @@ pub(super) fn cold_ruler(
                 base_real: 0.0,
                 base_estimate: 0.0,
                 ratio: 1.0,
+                classes: None,
             },
             Src::Estimate,
         ),
@@ -742,18 +793,11 @@ pub(super) fn apply_counted(
     src: Src,
     counted: Option<u64>,
     estimate: u64,
+    classes: &Classes,
 ) -> (u64, Src, Ruler) {
     match counted {
-        Some(n) => (
-            n,
-            Src::Counted,
-            Ruler {
-                base_real: n as f64,
-                base_estimate: estimate as f64,
-                ratio: ruler.ratio,
-            },
-        ),
-        None => (ruler.measure(estimate), src, ruler),
+        Some(n) => (n, Src::Counted, ruler.rebased(n, estimate, classes)),
+        None => (ruler.measure_classes(estimate, classes), src, ruler),
     }
 }
 

@@ -12,14 +12,15 @@ use std::time::Instant;
 use dashmap::DashMap;
 use prometheus::IntGauge;
 
+use super::calibration::{Fit, Prior, MODEL_DECAY};
 use super::lane::{
     apply_counted, cold_ruler, ewma, turns_left, LaneRequest, ModelCal, Session, Sig, MIN_DELTA,
     MODEL_ALPHA, RATIO_MAX, RATIO_MIN,
 };
 use super::{
-    wall_ms, Begun, KeySource, Outcome, Projection, RequestFacts, Ruler, SessionConfig, Src, State,
-    Ticket,
+    wall_ms, Begun, KeySource, Outcome, Projection, RequestFacts, SessionConfig, Src, State, Ticket,
 };
+use crate::estimate::{Estimate, CLASSES};
 use crate::metrics;
 use crate::provider::Api;
 
@@ -51,7 +52,7 @@ pub(super) struct Resolved<'k> {
 pub struct Sessions {
     /// key -> the sessions of that key, one per credential (almost always one).
     map: DashMap<Box<str>, Vec<Session>, Hasher>,
-    models: DashMap<Box<str>, ModelCal, Hasher>,
+    models: DashMap<Box<str>, ModelState, Hasher>,
     links: Mutex<Links>,
     links_cap: usize,
     count: AtomicUsize,
@@ -64,6 +65,15 @@ pub struct Sessions {
     lanes_gauge: IntGauge,
     /// Lanes this store holds (its share of the process-wide gauge).
     lanes: AtomicI64,
+}
+
+/// What this process learned of one model across sessions.
+#[derive(Default)]
+struct ModelState {
+    /// What its lanes start from.
+    cal: ModelCal,
+    /// Every lane's per-class samples, pooled: its ratios are `cal.classes`.
+    fit: Fit,
 }
 
 /// What a shared backend holds of one session, handed to [`Sessions::merge`].
@@ -82,6 +92,8 @@ pub(super) struct SharedView {
     pub spend: (u64, u64, u64),
     /// The model's calibration learned by every replica: (cold, marginal).
     pub model: (Option<f64>, Option<f64>),
+    /// The same, per content class.
+    pub model_classes: [Option<f64>; CLASSES],
 }
 
 /// What a finished request changed, for a shared backend to store.
@@ -127,11 +139,11 @@ impl Sessions {
     pub(super) fn model_cal(&self, model: Option<&str>) -> ModelCal {
         self.models
             .get(model.unwrap_or(""))
-            .map(|c| *c)
+            .map(|c| c.cal)
             .unwrap_or_default()
     }
 
-    fn learn_model(&self, model: Option<&str>, f: impl FnOnce(&mut ModelCal)) {
+    fn learn_model(&self, model: Option<&str>, f: impl FnOnce(&mut ModelState)) {
         let name = model.unwrap_or("");
         if let Some(mut c) = self.models.get_mut(name) {
             f(&mut c);
@@ -287,6 +299,7 @@ impl Sessions {
             api,
             model,
             estimate,
+            classes,
             reset,
             window,
             counted,
@@ -305,7 +318,7 @@ impl Sessions {
             // No session: a cold projection, nothing stored.
             let mcal = self.model_cal(model.as_deref());
             let (ruler, src) = cold_ruler(None, None, &mcal);
-            let (tokens, src, ruler) = apply_counted(ruler, src, counted, estimate);
+            let (tokens, src, ruler) = apply_counted(ruler, src, counted, estimate, &classes);
             return Begun {
                 projection: Projection {
                     tokens,
@@ -319,6 +332,7 @@ impl Sessions {
                     seq: 0,
                     estimate,
                     projection: tokens,
+                    classes,
                     model: model.map(Into::into),
                     cold: true,
                     compacted: false,
@@ -367,6 +381,7 @@ impl Sessions {
             },
             hint,
             estimate,
+            classes,
             reset,
             window,
             counted,
@@ -395,6 +410,7 @@ impl Sessions {
                 seq,
                 estimate: b.estimate,
                 projection: b.tokens,
+                classes: b.classes,
                 model: model.map(Into::into),
                 cold: b.cold,
                 compacted: b.compacted,
@@ -411,11 +427,8 @@ impl Sessions {
 
     /// `--exact-cold-start`: the provider counted this anchor-less request.
     pub fn apply_count(&self, begun: &mut Begun, tokens: u64) {
-        begun.ruler = Ruler {
-            base_real: tokens as f64,
-            base_estimate: begun.ticket.estimate as f64,
-            ratio: begun.ruler.ratio,
-        };
+        let t = &begun.ticket;
+        begun.ruler = begun.ruler.rebased(tokens, t.estimate, &t.classes);
         begun.projection.tokens = tokens;
         begun.projection.src = Src::Counted;
         self.refresh(begun);
@@ -423,9 +436,11 @@ impl Sessions {
 
     /// Trimming: measure the trimmed body with the same ruler, and let this
     /// request's response anchor against what was actually sent.
-    pub fn reproject(&self, begun: &mut Begun, new_estimate: u64) {
-        begun.ticket.estimate = new_estimate;
-        begun.projection.tokens = begun.ruler.measure(new_estimate);
+    pub fn reproject(&self, begun: &mut Begun, new_estimate: impl Into<Estimate>) {
+        let new_estimate = new_estimate.into();
+        begun.ticket.estimate = new_estimate.tokens;
+        begun.ticket.classes = new_estimate.classes;
+        begun.projection.tokens = begun.ruler.measure_estimate(&new_estimate);
         self.refresh(begun);
     }
 
@@ -463,8 +478,8 @@ impl Sessions {
         if let Some(real) = real.filter(|_| !edited) {
             if ticket.cold && ticket.estimate >= MIN_DELTA && real > 0 {
                 let r = (real as f64 / ticket.estimate as f64).clamp(RATIO_MIN, RATIO_MAX);
-                self.learn_model(ticket.model.as_deref(), |c| {
-                    c.cold = Some(ewma(c.cold, r, MODEL_ALPHA))
+                self.learn_model(ticket.model.as_deref(), |m| {
+                    m.cal.cold = Some(ewma(m.cal.cold, r, MODEL_ALPHA))
                 });
             }
         }
@@ -476,8 +491,9 @@ impl Sessions {
             let learned = s.finish(
                 ticket.lane,
                 ticket.seq,
-                (ticket.estimate, ticket.projection),
+                (ticket.estimate, ticket.projection, &ticket.classes),
                 outcome,
+                |m| self.model_cal(m),
             );
             let after = s.state();
             let out = changed.then(|| Changed {
@@ -492,9 +508,22 @@ impl Sessions {
             self.transition(before, after);
             (learned, out)
         };
-        if let Some(r) = learned {
-            self.learn_model(ticket.model.as_deref(), |c| {
-                c.marginal = Some(ewma(c.marginal, r, MODEL_ALPHA))
+        let sample = learned.classes.sample;
+        if learned.marginal.is_some() || sample.is_some() {
+            self.learn_model(ticket.model.as_deref(), |m| {
+                if let Some(r) = learned.marginal {
+                    m.cal.marginal = Some(ewma(m.cal.marginal, r, MODEL_ALPHA));
+                }
+                if let Some(s) = sample {
+                    // The model's own prior: Latin text's ratio it knows,
+                    // else its single ratio, with headroom.
+                    let single = m.cal.marginal.or(m.cal.cold).unwrap_or(1.0);
+                    let base = m.cal.classes.latin().unwrap_or(single);
+                    let scripts = m.cal.classes.scripts();
+                    let prior = Prior::new(&Default::default(), base, scripts);
+                    m.fit.add(&s, MODEL_DECAY, &prior);
+                    m.cal.classes = m.fit.model_classes();
+                }
             });
         }
         if ok {
@@ -687,10 +716,15 @@ impl Sessions {
     /// larger of the shared and local ones; the model's calibration is the
     /// shared one.
     pub(super) fn merge(&self, key: &str, credential: &str, model: Option<&str>, sh: SharedView) {
-        if sh.model.0.is_some() || sh.model.1.is_some() {
-            self.learn_model(model, |c| {
+        let shared_classes = sh.model_classes.iter().any(Option::is_some);
+        if sh.model.0.is_some() || sh.model.1.is_some() || shared_classes {
+            self.learn_model(model, |m| {
+                let c = &mut m.cal;
                 c.cold = sh.model.0.or(c.cold);
                 c.marginal = sh.model.1.or(c.marginal);
+                for (mine, shared) in c.classes.ratio.iter_mut().zip(sh.model_classes) {
+                    *mine = shared.or(*mine);
+                }
             });
         }
         if let Some((id, lane)) = &sh.link {
@@ -754,6 +788,11 @@ impl Sessions {
     pub fn model_calibration(&self, model: Option<&str>) -> (Option<f64>, Option<f64>) {
         let c = self.model_cal(model);
         (c.cold, c.marginal)
+    }
+
+    /// The model's ratio per content class this process holds.
+    pub fn model_class_calibration(&self, model: Option<&str>) -> [Option<f64>; CLASSES] {
+        self.model_cal(model).classes.ratio
     }
 
     /// Sessions held.

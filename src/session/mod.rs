@@ -5,26 +5,32 @@
 //!
 //! The projection is `anchor.real + (estimate - anchor.estimate) * calibration`
 //! where the anchor is the last real prompt count of the request's lane and
-//! `calibration` the lane's learned real/estimate ratio for new content.
-//! Every projection is made by a [`Ruler`] `(base_real, base_estimate, ratio)`
-//! so a trimmed body can be re-measured with the same ruler.
+//! `calibration` the lane's learned real/estimate ratio for new content, one
+//! per content class where the estimate says which classes its tokens are
+//! (`calibration.rs`). Every projection is made by a [`Ruler`] `(base_real,
+//! base_estimate, ratio, class ratios)` so a trimmed body can be re-measured
+//! with the same ruler.
 //!
 //! - `identity.rs`: who is asking and which session: credential, session
 //!   header, the ids agents send of their own accord, the fingerprint.
 //! - `lane.rs`: a session's record and its lanes, and the lane rule.
+//! - `calibration.rs`: a ratio per content class, fitted per lane and per model.
 //! - `memory.rs`: the sessions this process holds.
 //! - `redis.rs`: the same, shared between replicas through Redis.
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::estimate::{Classes, Estimate};
 use crate::provider::{Api, Usage};
 
+pub mod calibration;
 pub mod identity;
 pub mod lane;
 mod memory;
 pub mod redis;
 
+pub use calibration::{ClassCal, ClassRuler};
 pub use lane::{lane_hex, Lane, Session, MAX_LANES};
 pub use memory::Sessions;
 
@@ -135,6 +141,8 @@ pub struct RequestFacts<'a> {
     pub model: Option<String>,
     /// Local token estimate of what will be sent.
     pub estimate: u64,
+    /// The same by content class (empty: projected with the single ratio).
+    pub classes: Classes,
     /// `x-context-reset: 1`.
     pub reset: bool,
     pub window: Option<u64>,
@@ -158,6 +166,7 @@ impl Default for RequestFacts<'_> {
             api: Api::OpenAiChat,
             model: None,
             estimate: 0,
+            classes: Classes::default(),
             reset: false,
             window: None,
             counted: None,
@@ -273,23 +282,63 @@ fn decimal_by_format(v: f64) -> String {
     }
 }
 
-/// How a projection was measured: `base_real + (estimate - base_estimate) * ratio`.
-/// A cold ruler has a zero base.
+/// How a projection was measured: `base_real + (estimate - base_estimate) * ratio`,
+/// or class by class when the lane knows the base's classes. A cold ruler
+/// has a zero base.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ruler {
     pub base_real: f64,
     pub base_estimate: f64,
+    /// The single ratio.
     pub ratio: f64,
+    /// Each content class's ratio and the base's estimate per class.
+    pub classes: Option<ClassRuler>,
 }
 
 impl Ruler {
+    /// With the single ratio.
     pub fn measure(&self, estimate: u64) -> u64 {
         let t = self.base_real + (estimate as f64 - self.base_estimate) * self.ratio;
-        if t.is_finite() && t > 0.0 {
-            t.round() as u64
-        } else {
-            0
+        rounded(t)
+    }
+
+    /// Class by class when both the ruler and the request know their
+    /// classes (any part of the estimate outside them goes by the single
+    /// ratio); else [`Ruler::measure`].
+    pub fn measure_classes(&self, estimate: u64, classes: &Classes) -> u64 {
+        let Some(c) = self.classes.filter(|_| !classes.is_empty()) else {
+            return self.measure(estimate);
+        };
+        let unclassed = |total: f64, classes: &Classes| total - classes.sum() as f64;
+        let rest = unclassed(estimate as f64, classes) - unclassed(self.base_estimate, &c.base);
+        rounded(self.base_real + c.delta(classes) + rest * self.ratio)
+    }
+
+    /// [`Ruler::measure_classes`] of an estimate.
+    pub fn measure_estimate(&self, e: &Estimate) -> u64 {
+        self.measure_classes(e.tokens, &e.classes)
+    }
+
+    /// The same ratios from a new base: `real` tokens for an estimate of
+    /// `estimate` with these classes.
+    pub fn rebased(&self, real: u64, estimate: u64, classes: &Classes) -> Ruler {
+        Ruler {
+            base_real: real as f64,
+            base_estimate: estimate as f64,
+            ratio: self.ratio,
+            classes: self.classes.map(|c| ClassRuler {
+                base: *classes,
+                ..c
+            }),
         }
+    }
+}
+
+fn rounded(t: f64) -> u64 {
+    if t.is_finite() && t > 0.0 {
+        t.round() as u64
+    } else {
+        0
     }
 }
 /// Carries a request from `begin` to `finish`.
@@ -306,6 +355,8 @@ pub struct Ticket {
     /// What the request was projected at (after a count or a trim): its
     /// response's real count over this is the lane's `drift`.
     projection: u64,
+    /// The estimate by content class.
+    classes: Classes,
     model: Option<Box<str>>,
     /// Projected without an anchor: its response teaches the model's cold ratio.
     cold: bool,
@@ -420,6 +471,9 @@ pub fn rfc3339(ms: u64) -> String {
 }
 /// A [`Store::begin`] under way: done with memory (no future to drive,
 /// nothing allocated), a round trip to Redis otherwise.
+// `Ready` is the memory store's every request: moving its few hundred bytes
+// costs less than the allocation boxing it would make each time.
+#[allow(clippy::large_enum_variant)]
 pub enum Beginning<'a> {
     Ready(Option<Begun>),
     Waiting(std::pin::Pin<Box<dyn std::future::Future<Output = Begun> + Send + 'a>>),
@@ -507,7 +561,7 @@ impl Store {
     }
 
     /// Trimming: the trimmed body, measured with the same ruler.
-    pub fn reproject(&self, begun: &mut Begun, new_estimate: u64) {
+    pub fn reproject(&self, begun: &mut Begun, new_estimate: impl Into<Estimate>) {
         self.sessions().reproject(begun, new_estimate)
     }
 
@@ -699,6 +753,7 @@ mod tests {
             base_real: 100.0,
             base_estimate: 1000.0,
             ratio: 2.0,
+            classes: None,
         };
         assert_eq!(r.measure(0), 0);
         assert_eq!(r.measure(1000), 100);

@@ -18,7 +18,7 @@
 //! | `tidemark:v2:{SID}:seq` | string | the session's request counter: one global order across replicas |
 //! | `tidemark:v2:{SID}:rec` | hash | per lane `l:<lane>` its record and `s:<lane>` the sequence it was stored at; `m` the session's own fields and `ms` their sequence; `del` a `DELETE`'s tombstone; `top` the highest sequence stored |
 //! | `tidemark:v2:{SID}:spend` | hash | `i`, `c`, `o`: cumulative input, cached input and output tokens; `t` turns; `k` compactions |
-//! | `tidemark:v2:model:{MODEL}` | hash | per-model calibration fields (`cold`, `marginal`) |
+//! | `tidemark:v2:model:{MODEL}` | hash | per-model calibration fields (`cold`, `marginal`, and `c:<class>` per content class) |
 //! | `tidemark:v2:sessions` | sorted set | session ids by when they were last written: `/sessions` |
 //! | `tidemark:v2:key:{KEY}` | sorted set | the credentials a key is held under, by when: `/sessions/{key}` |
 //!
@@ -59,6 +59,7 @@ use tokio::sync::OnceCell;
 use super::lane::{api_name, Lane, Session, MAX_LANES};
 use super::memory::SharedView;
 use super::{Begun, KeySource, Outcome, RequestFacts, SessionConfig, Sessions, Ticket};
+use crate::estimate::{Class, CLASSES};
 use crate::provider::Api;
 
 /// Bound on one operation on the hot path, connection wait included.
@@ -223,6 +224,8 @@ pub struct ModelCalibration {
     pub cold: Option<f64>,
     /// Marginal ratio of new content.
     pub marginal: Option<f64>,
+    /// Marginal ratio of each content class.
+    pub classes: [Option<f64>; CLASSES],
 }
 
 /// Which [`ModelCalibration`] field an observation feeds.
@@ -230,6 +233,7 @@ pub struct ModelCalibration {
 pub enum CalField {
     Cold,
     Marginal,
+    Class(Class),
 }
 
 impl CalField {
@@ -237,7 +241,26 @@ impl CalField {
         match self {
             CalField::Cold => "cold",
             CalField::Marginal => "marginal",
+            CalField::Class(c) => class_field(c),
         }
+    }
+}
+
+/// A content class's field in the model's hash.
+fn class_field(c: Class) -> &'static str {
+    match c {
+        Class::Prose => "c:prose",
+        Class::Code => "c:code",
+        Class::Json => "c:json",
+        Class::Escaped => "c:escaped",
+        Class::Binary => "c:binary",
+        Class::Han => "c:han",
+        Class::Kana => "c:kana",
+        Class::Hangul => "c:hangul",
+        Class::Script => "c:script",
+        Class::Emoji => "c:emoji",
+        Class::Media => "c:media",
+        Class::Framing => "c:framing",
     }
 }
 
@@ -463,10 +486,17 @@ fn parse_begin(script: Value, model: Option<Value>) -> Result<Begin, StateError>
     let stored = parse_stored(rec, totals)?;
     let model = match model {
         None => ModelCalibration::default(),
-        Some(Value::Array(m)) if m.len() == 2 => ModelCalibration {
-            cold: f64_of(&m[0])?,
-            marginal: f64_of(&m[1])?,
-        },
+        Some(Value::Array(m)) if m.len() == 2 + CLASSES => {
+            let mut classes = [None; CLASSES];
+            for (c, v) in classes.iter_mut().zip(&m[2..]) {
+                *c = f64_of(v)?;
+            }
+            ModelCalibration {
+                cold: f64_of(&m[0])?,
+                marginal: f64_of(&m[1])?,
+                classes,
+            }
+        }
         Some(_) => return Err(StateError::Protocol("begin: model calibration shape")),
     };
     Ok(Begin { seq, stored, model })
@@ -527,7 +557,10 @@ impl RedisState {
                 .arg(&keys[..])
                 .arg(inner.ttl_ms);
             if let Some(k) = &mkey {
-                pipe.cmd("HMGET").arg(k).arg("cold").arg("marginal");
+                let cmd = pipe.cmd("HMGET").arg(k).arg("cold").arg("marginal");
+                for c in Class::ALL {
+                    cmd.arg(class_field(c));
+                }
             }
             let mut out: Vec<Value> = match pipe.query_async(&mut conn).await {
                 Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
@@ -678,6 +711,34 @@ impl RedisState {
         self.learn_model_calibration(model, field, ratio, 1.0)
             .await
             .map(|_| ())
+    }
+
+    /// Sets several of the model's shared calibration fields at once (no
+    /// smoothing), in one round trip: what one response changed.
+    pub async fn store_model_fields(
+        &self,
+        model: &str,
+        fields: &[(CalField, f64)],
+    ) -> Result<(), StateError> {
+        if fields.is_empty() {
+            return Ok(());
+        }
+        if fields.iter().any(|(_, v)| !v.is_finite()) {
+            return Err(StateError::Invalid("calibration value"));
+        }
+        let key = model_key(model);
+        self.run(|mut conn| async move {
+            let mut pipe = redis::pipe();
+            let hset = pipe.cmd("HSET").arg(&key);
+            for (f, v) in fields {
+                hset.arg(f.as_str()).arg(format!("{v:?}"));
+            }
+            pipe.ignore();
+            pipe.cmd("PEXPIRE").arg(&key).arg(ms(MODEL_TTL)).ignore();
+            pipe.query_async::<()>(&mut conn).await?;
+            Ok(())
+        })
+        .await
     }
 
     /// `DELETE /sessions/{key}`: a tombstone at the newest sequence handed
@@ -956,6 +1017,7 @@ fn shared_view(st: Stored, model: ModelCalibration) -> SharedView {
         compactions: u32::try_from(st.totals.compactions).unwrap_or(u32::MAX),
         spend: (st.totals.input, st.totals.cached_input, st.totals.output),
         model: (model.cold, model.marginal),
+        model_classes: model.classes,
     }
 }
 
@@ -1071,6 +1133,7 @@ impl Shared {
         let model = ticket.model.as_deref().map(str::to_string);
         let compacted = ticket.compacted;
         let cal_before = self.local.model_calibration(model.as_deref());
+        let classes_before = self.local.model_class_calibration(model.as_deref());
         let ok = (200..300).contains(&outcome.status) && outcome.completed;
         let u = &outcome.usage;
         let add = Totals {
@@ -1088,6 +1151,7 @@ impl Shared {
             return;
         };
         let cal_after = self.local.model_calibration(model.as_deref());
+        let classes_after = self.local.model_class_calibration(model.as_deref());
         let lane = changed
             .lane
             .as_ref()
@@ -1110,14 +1174,19 @@ impl Shared {
             // already has this response. The calibration goes first: once
             // the record is stored, a replica that reads it reads that too.
             if let Some(m) = model {
-                for (field, before, after) in [
+                let classes = Class::ALL.into_iter().map(|c| {
+                    let i = c as usize;
+                    (CalField::Class(c), classes_before[i], classes_after[i])
+                });
+                let changed: Vec<(CalField, f64)> = [
                     (CalField::Cold, cal_before.0, cal_after.0),
                     (CalField::Marginal, cal_before.1, cal_after.1),
-                ] {
-                    if let Some(v) = after.filter(|v| Some(*v) != before) {
-                        let _ = backend.store_model_calibration(&m, field, v).await;
-                    }
-                }
+                ]
+                .into_iter()
+                .chain(classes)
+                .filter_map(|(f, before, after)| Some((f, after.filter(|v| Some(*v) != before)?)))
+                .collect();
+                let _ = backend.store_model_fields(&m, &changed).await;
             }
             let sid = session_id(&credential, &key);
             let write = Write {
@@ -1269,6 +1338,7 @@ mod tests {
             compactions: r.compactions,
             spend: (r.cum_input, r.cum_cached, r.cum_output),
             model: (None, None),
+            model_classes: Default::default(),
         }
     }
 

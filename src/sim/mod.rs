@@ -137,7 +137,7 @@ impl Default for SimConfig {
             chunk_delay: Duration::ZERO,
             gzip: false,
             abort_after_events: None,
-            counting: CountingMode::Today,
+            counting: CountingMode::default(),
             flavour: Flavour::OpenAi,
             tool_calls: ToolCalls::Always,
             cache_min_tokens: 1024,
@@ -154,13 +154,13 @@ pub struct Count {
     pub total: u64,
 }
 
-/// The prompt tokens the sim charges for a request body, with today's
-/// counting. Deterministic. For Responses the body is taken as the whole
+/// The prompt tokens the sim charges for a request body, counted as a
+/// default sim counts. Deterministic. For Responses the body is taken as the whole
 /// conversation (no stored `previous_response_id`); for Gemini, a
 /// `generateContent` or `countTokens` body; server-side context management
 /// is applied.
 pub fn count_prompt(api: SimApi, body: &Value) -> Count {
-    count_prompt_with(api, body, CountingMode::Today)
+    count_prompt_with(api, body, CountingMode::default())
 }
 
 /// [`count_prompt`] under a chosen column of [`COUNTING`].

@@ -53,18 +53,19 @@ pub struct Counting {
     pub ratio: f64,
 }
 
-/// Which column of [`COUNTING`] a sim uses.
+/// Which column of [`COUNTING`] a sim uses: honest unless asked otherwise,
+/// so no accuracy figure is the estimator's own count read back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum CountingMode {
-    /// What the accuracy tests were written against: for OpenAI chat and
-    /// Anthropic, the counts the sim has always made.
-    #[default]
+    /// What the accuracy tests were first written against: Anthropic
+    /// counted as the estimator's own encoding times 1.15.
     Today,
     /// A vocabulary the estimator never uses for the API, unscaled.
+    #[default]
     Honest,
 }
 
-/// Per API: (today's counting, the honest one). The estimator counts OpenAI
+/// Per API: (the counting first written, the honest one). The estimator counts OpenAI
 /// and Gemini with `o200k_base`, Claude and Ollama with `cl100k_base`
 /// (`estimate/tokenizer.rs`); the honest column never repeats it.
 ///

@@ -173,6 +173,7 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         api: Api::OpenAiResponses,
         model,
         estimate: estimate.tokens,
+        classes: estimate.classes,
         reset: id.reset,
         window,
         counted: None,
@@ -301,14 +302,14 @@ async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision
                 reserve,
                 window,
             )
-            .filter(|(_, est)| (turn.begun.ruler.measure(*est) + reserve) as f64 <= limit);
+            .filter(|(_, est)| (turn.begun.ruler.measure_estimate(est) + reserve) as f64 <= limit);
             let Some((t, est)) = trimmed else {
                 over_budget(OnOver::Reject);
                 return reject(turn, over);
             };
             over_budget(OnOver::Trim);
             state.store.reproject(&mut turn.begun, est);
-            turn.estimate = est;
+            turn.estimate = est.tokens;
             let after = turn.begun.projection.tokens + reserve;
             if let Some(k) = turn.cut_key.clone() {
                 proxy::remember_cut(&state, k, t.cut.clone());
