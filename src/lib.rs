@@ -98,6 +98,7 @@ pub mod trim;
 pub mod upstream;
 pub mod usage;
 pub mod window;
+pub mod window_learned;
 pub mod ws;
 
 pub use config::Config;

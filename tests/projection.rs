@@ -1120,6 +1120,7 @@ const FIELDS: &[&str] = &[
     "calibration",
     "compactions",
     "anchor_losses",
+    "cache",
     "cumulative",
     "last_seen",
     "key_source",
@@ -1142,6 +1143,7 @@ const LANE_FIELDS: &[&str] = &[
     "utilization",
     "calibration",
     "anchor_losses",
+    "cache",
     "last_seen",
 ];
 

@@ -208,6 +208,55 @@ impl Estimator {
         )
     }
 
+    /// Every unit of `req` the provider counts, in the order it sees them
+    /// (each element of a per-element field, each other field whole), with
+    /// its estimated tokens: `f(field, raw, tokens)`. What the prompt
+    /// cache's view of a request is made of (`session/cache.rs`); the
+    /// counts come from the per-message cache the estimate just filled.
+    pub fn each_unit(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        mut f: impl FnMut(&crate::provider::CountedField, crate::inspect::Raw<'_>, u64),
+    ) {
+        let api = p.api();
+        let enc = Encoding::for_model(api, model);
+        let images = image_class(api, model);
+        let mut unbounded = usize::MAX;
+        for field in p.counted_fields() {
+            let Some(raw) = req.raw(field.name) else {
+                continue;
+            };
+            if let Some(els) = req.elements(field.name).filter(|_| field.per_element) {
+                // As the estimate looks a long history up: a batch, a lock
+                // per cache shard.
+                let keys: Vec<u128> = els
+                    .iter()
+                    .map(|el| unit_key(enc, field.unit, images, el.get()))
+                    .collect();
+                let mut found = Vec::new();
+                self.cache.get_many(&keys, &mut found);
+                for ((el, key), c) in els.iter().zip(keys).zip(found) {
+                    let c = c.or_else(|| {
+                        self.unit_keyed(api, enc, model, field.unit, key, el.get(), &mut unbounded)
+                    });
+                    f(field, *el, c.map_or(0, |c| u64::from(c.tokens)));
+                }
+                continue;
+            }
+            if json::kind(raw.get()) == b'n' {
+                continue;
+            }
+            let unit = match (api, field.unit) {
+                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
+                (_, u) => u,
+            };
+            let c = self.unit(api, enc, model, images, unit, raw.get(), &mut unbounded);
+            f(field, raw, c.map_or(0, |c| u64::from(c.tokens)));
+        }
+    }
+
     /// Tokens of plain text under a model's tokenizer (no framing, no cache).
     pub fn count_text(api: Api, model: Option<&str>, text: &str) -> u64 {
         Encoding::for_model(api, model).count(text) as u64

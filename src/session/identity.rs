@@ -331,7 +331,7 @@ pub fn content(p: &dyn Provider, view: &RequestView<'_>) -> Option<Content> {
 
 /// A value's content into `h` ([`crate::pick::content`]); its raw bytes if
 /// it cannot be stepped through.
-fn feed(h: &mut Xxh3, raw: Raw<'_>) {
+pub(super) fn feed(h: &mut Xxh3, raw: Raw<'_>) {
     let b = raw.get().as_bytes();
     if MARKER_NAME.find(b).is_none()
         || crate::pick::content(b, MOVING_MARKER, &mut |run: &[u8]| h.update(run)).is_none()

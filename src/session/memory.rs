@@ -64,6 +64,8 @@ pub struct Sessions {
     lanes_gauge: IntGauge,
     /// Lanes this store holds (its share of the process-wide gauge).
     lanes: AtomicI64,
+    /// Windows upstreams taught, by (upstream, model).
+    windows: crate::window_learned::Learned,
 }
 
 /// What a shared backend holds of one session, handed to [`Sessions::merge`].
@@ -112,7 +114,13 @@ impl Sessions {
             gauges: State::ALL.map(|s| m.sessions.with_label_values(&[s.as_str()])),
             lanes_gauge: m.lanes.clone(),
             lanes: AtomicI64::new(0),
+            windows: Default::default(),
         }
+    }
+
+    /// The windows upstreams taught.
+    pub fn windows(&self) -> &crate::window_learned::Learned {
+        &self.windows
     }
 
     fn mono_ms(&self, now: Instant) -> u64 {
@@ -289,6 +297,7 @@ impl Sessions {
             estimate,
             reset,
             window,
+            window_upstream: _,
             counted,
             continues,
             content,
@@ -323,6 +332,7 @@ impl Sessions {
                     cold: true,
                     compacted: false,
                     shared: false,
+                    prefix: None,
                 },
                 spent: 0,
                 key: None,
@@ -399,6 +409,7 @@ impl Sessions {
                 cold: b.cold,
                 compacted: b.compacted,
                 shared: false,
+                prefix: None,
             },
             spent,
             key: Some(key.into_owned()),
@@ -478,6 +489,7 @@ impl Sessions {
                 ticket.seq,
                 (ticket.estimate, ticket.projection),
                 outcome,
+                ticket.prefix.as_deref(),
             );
             let after = s.state();
             let out = changed.then(|| Changed {
