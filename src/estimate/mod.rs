@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-use crate::inspect::RequestView;
+use crate::inspect::{Raw, RequestView};
 use crate::provider::{Api, Provider};
 use cache::{Cache, Counted};
 pub use tokenizer::Encoding;
@@ -209,21 +209,26 @@ impl Estimator {
     }
 
     /// Every unit of `req` the provider counts, in the order it sees them
-    /// (each element of a per-element field, each other field whole), with
-    /// its estimated tokens: `f(field, raw, tokens)`. What the prompt
-    /// cache's view of a request is made of (`session/cache.rs`); the
-    /// counts come from the per-message cache the estimate just filled.
+    /// (each element of a per-element field, each other field whole): what
+    /// the prompt cache's view of a request is made of (`session/cache.rs`).
+    /// For each, `f` gets its field, its raw text, its estimated tokens
+    /// (from the per-message cache the estimate just filled), its cache
+    /// key (a 128-bit hash of its bytes: a content hash to compare), and
+    /// the same key function for other bytes (the unit's content with its
+    /// moving markers left out hashes as the same unit without them).
     pub fn each_unit(
         &self,
         p: &dyn Provider,
         req: &RequestView<'_>,
         model: Option<&str>,
-        mut f: impl FnMut(&crate::provider::CountedField, crate::inspect::Raw<'_>, u64),
+        mut f: impl FnMut(&crate::provider::CountedField, Raw<'_>, u64, u128, &dyn Fn(&[u8]) -> u128),
     ) {
         let api = p.api();
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
         let mut unbounded = usize::MAX;
+        let mut keys = Vec::new();
+        let mut found = Vec::new();
         for field in p.counted_fields() {
             let Some(raw) = req.raw(field.name) else {
                 continue;
@@ -231,17 +236,24 @@ impl Estimator {
             if let Some(els) = req.elements(field.name).filter(|_| field.per_element) {
                 // As the estimate looks a long history up: a batch, a lock
                 // per cache shard.
-                let keys: Vec<u128> = els
-                    .iter()
-                    .map(|el| unit_key(enc, field.unit, images, el.get()))
-                    .collect();
-                let mut found = Vec::new();
+                keys.clear();
+                keys.extend(
+                    els.iter()
+                        .map(|el| unit_key(enc, field.unit, images, el.get())),
+                );
                 self.cache.get_many(&keys, &mut found);
-                for ((el, key), c) in els.iter().zip(keys).zip(found) {
+                let rekey = |b: &[u8]| unit_key_bytes(enc, field.unit, images, b);
+                for ((el, &key), c) in els.iter().zip(&keys).zip(&found) {
                     let c = c.or_else(|| {
                         self.unit_keyed(api, enc, model, field.unit, key, el.get(), &mut unbounded)
                     });
-                    f(field, *el, c.map_or(0, |c| u64::from(c.tokens)));
+                    f(
+                        field,
+                        *el,
+                        c.map_or(0, |c| u64::from(c.tokens)),
+                        key,
+                        &rekey,
+                    );
                 }
                 continue;
             }
@@ -252,8 +264,16 @@ impl Estimator {
                 (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
                 (_, u) => u,
             };
-            let c = self.unit(api, enc, model, images, unit, raw.get(), &mut unbounded);
-            f(field, raw, c.map_or(0, |c| u64::from(c.tokens)));
+            let key = unit_key(enc, unit, images, raw.get());
+            let c = self.unit_keyed(api, enc, model, unit, key, raw.get(), &mut unbounded);
+            let rekey = |b: &[u8]| unit_key_bytes(enc, unit, images, b);
+            f(
+                field,
+                raw,
+                c.map_or(0, |c| u64::from(c.tokens)),
+                key,
+                &rekey,
+            );
         }
     }
 
@@ -332,8 +352,12 @@ const ONE_BY_ONE: usize = 32;
 /// A unit's cache key: its exact bytes, seeded with what else its count
 /// depends on (tokenizer, kind of unit, how images are priced).
 fn unit_key(enc: Encoding, unit: Unit, image_class: u64, raw: &str) -> u128 {
+    unit_key_bytes(enc, unit, image_class, raw.as_bytes())
+}
+
+fn unit_key_bytes(enc: Encoding, unit: Unit, image_class: u64, raw: &[u8]) -> u128 {
     let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
-    xxh3_128_with_seed(raw.as_bytes(), seed)
+    xxh3_128_with_seed(raw, seed)
 }
 
 /// How a model prices images, part of every cache key (its counts differ).

@@ -25,7 +25,7 @@
 //! compaction (a new start on purpose).
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::estimate::Estimator;
 use crate::inspect::RequestView;
@@ -104,7 +104,8 @@ impl Prefix {
         // Messages before the first user message are the system prompt (a
         // chat's system and developer messages), as for the lane.
         let mut before_user = true;
-        estimator.each_unit(p, req, model, |field, raw, tokens| {
+        let mut content = Vec::new();
+        estimator.each_unit(p, req, model, |field, raw, tokens, key, rekey| {
             let part = match field.part {
                 Part::Other => Cause::Tools,
                 Part::System => Cause::System,
@@ -120,11 +121,13 @@ impl Prefix {
                     }
                 }
             };
-            let mut h = Xxh3::with_seed(chain);
-            h.update(field.name.as_bytes());
-            h.update(&[0]);
-            super::identity::feed(&mut h, raw);
-            chain = h.digest();
+            // The estimator's key is a hash of the unit's bytes; one that
+            // carries a moving marker is hashed without it.
+            let key = match super::identity::content_without_markers(raw, &mut content) {
+                true => rekey(&content),
+                false => key,
+            };
+            chain = xxh3_64_with_seed(&key.to_le_bytes(), chain);
             end = end.saturating_add(tokens);
             units.push(Mark {
                 chain,
@@ -526,6 +529,38 @@ mod tests {
         let v = c.render();
         assert_eq!(v["busts"], 2);
         assert_eq!(v["invalidated_tokens"], 2048 + (2944 - 384));
+    }
+
+    #[test]
+    fn a_moving_marker_is_no_change_a_real_edit_is() {
+        let est = Estimator::new(1 << 20);
+        let p = crate::provider::Api::Anthropic.provider();
+        let body = |marked: bool, text: &str| {
+            let mut last =
+                serde_json::json!({"role":"user","content":[{"type":"text","text":text}]});
+            if marked {
+                last["content"][0]["cache_control"] = serde_json::json!({"type":"ephemeral"});
+            }
+            serde_json::json!({"model":"claude-sonnet-4-5","system":"Be terse.",
+                "tools":[{"name":"t","input_schema":{"type":"object"}}],
+                "messages":[{"role":"user","content":"first"},{"role":"assistant","content":"ok"},last]})
+            .to_string()
+        };
+        let units = |b: String| {
+            let v = RequestView::parse(b.as_bytes()).unwrap();
+            Prefix::of(p, &v, &est, Some("claude-sonnet-4-5"), 0).units
+        };
+        let marked = units(body(true, "next"));
+        let plain = units(body(false, "next"));
+        assert_eq!(marked, plain);
+        let parts: Vec<u8> = plain.iter().map(|m| m.part).collect();
+        assert_eq!(parts, [0, 1, 2, 2, 2], "tools, system, three messages");
+        let edited = units(body(false, "other"));
+        assert_eq!(
+            diverge(&plain, &edited).map(|d| d.part),
+            Some(Cause::History)
+        );
+        assert_eq!(edited[..4], plain[..4]);
     }
 
     #[test]
