@@ -710,7 +710,7 @@ async fn api_request(
         trimmed: None,
         trimmed_body: None,
         cut: 0,
-        model: model.clone(),
+        model,
         start,
     };
 
@@ -745,7 +745,7 @@ async fn api_request(
                             state,
                             api,
                             src,
-                            model.as_deref(),
+                            ins.model.as_deref(),
                             cut_key.as_deref(),
                             ins.begun.ruler,
                             reserve,
@@ -793,7 +793,7 @@ async fn api_request(
             None => None,
         };
         let sent = sent.as_ref().unwrap_or(&view);
-        let prefix = Prefix::of(p, sent, &state.estimator, model.as_deref(), ins.cut);
+        let prefix = Prefix::of(p, sent, &state.estimator, ins.model.as_deref(), ins.cut);
         ins.begun.ticket.set_prefix(prefix);
     }
 
