@@ -29,6 +29,8 @@ use crate::inspect::RequestView;
 use crate::provider::Api;
 use crate::sim::{self, SimConfig, X_SIM_PROMPT_TOKENS};
 
+mod story;
+
 /// The APIs the demo's scripted agent speaks (the simulator speaks more).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DemoApi {
@@ -174,6 +176,7 @@ async fn start(flags: Flags, sim_cfg: SimConfig) -> Result<Stack, String> {
 // Deterministic content: prose, CJK, minified JSON, code, base64, emoji.
 
 /// splitmix64: small, seeded, the same on every machine.
+#[derive(Clone)]
 pub struct Rng(u64);
 impl Rng {
     pub fn new(seed: u64) -> Self {
@@ -419,6 +422,7 @@ enum Reply {
 }
 
 /// A scripted agent: it keeps a growing history in its API's shape.
+#[derive(Clone)]
 pub struct Agent {
     api: DemoApi,
     model: &'static str,
@@ -951,6 +955,11 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
         },
         ..SimConfig::default()
     };
+    let story_flags = flags.clone();
+    let story_sim = SimConfig {
+        context_window: Some(DEMO_WINDOW),
+        ..SimConfig::default()
+    };
     let stack = start(flags, sim_cfg).await?;
     let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
     let estimator = Estimator::new(64 << 20);
@@ -1028,6 +1037,10 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     println!(
         "\nreal = the provider's own count; chars/4 and estimate = what an agent could compute locally;\nprojection = tidemark's x-context-projection (anchored on the last real count); error = (projection - real) / real."
     );
+    match story::run(&story_flags, &client, &estimator, story_sim).await {
+        Ok(text) => print!("{text}"),
+        Err(e) => println!("\nthe story stopped: {e}"),
+    }
 
     if keep_running {
         let base = format!("http://{}", shown(stack.proxy));

@@ -45,7 +45,12 @@
 //!    `anchor.real + (estimate - anchor.estimate) * calibration`, the
 //!    delta measured class by class with a ratio each, fitted from the
 //!    lane's consecutive anchors against the model's ratios learned across
-//!    sessions (`session/calibration.rs`). One store
+//!    sessions (`session/calibration.rs`), against the window a
+//!    `--context-window` rule gives, else the one the upstream's own
+//!    refusal taught (`window_learned.rs`), else the table (`window.rs`).
+//!    What is sent is also seen as the provider's prompt cache sees it
+//!    (`session/cache.rs`), to be compared with the lane's previous request
+//!    when the response comes back. One store
 //!    interface (`session/mod.rs`): this process's memory
 //!    (`session/memory.rs`), or Redis shared by replicas
 //!    (`session/redis.rs`); `--exact-cold-start` asks the provider's counter.
@@ -71,9 +76,13 @@
 //!    alone (`pick.rs`). An injected stream loses on its way what the
 //!    option added (`inject.rs`), decoded first when the upstream
 //!    compressed it anyway (`usage.rs::BodyDecoder`).
+//!    An error response's body is copied on the side, bounded, for what
+//!    its refusal says (`Provider::context_error`).
 //! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
-//!    hang-up, the session is anchored (or the loss is made loud) and the drift
-//!    is exported (`metrics.rs`, every metric name in one file).
+//!    hang-up, the session is anchored (or the loss is made loud), a
+//!    refusal's window is learned and its prompt count anchors, a change
+//!    of the cached prefix is counted as a bust, and the drift is exported
+//!    (`metrics.rs`, every metric name in one file).
 //!
 //! The admin listener (`server.rs::admin`) answers `/metrics` and
 //! `/sessions`, and at `/` a live sessions page (`page.rs`, `page.html`).
@@ -105,6 +114,7 @@ pub mod trim;
 pub mod upstream;
 pub mod usage;
 pub mod window;
+pub mod window_learned;
 pub mod ws;
 
 pub use config::Config;

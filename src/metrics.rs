@@ -37,6 +37,11 @@ pub struct Metrics {
     pub compactions: IntCounterVec,
     pub over_budget: IntCounterVec,
     pub trimmed_tokens: IntCounterVec,
+    /// The window each (api, model) is measured against: flag, learned or table.
+    pub context_window: GaugeVec,
+    /// Cached tokens lost to prefix changes, and the changes by cause.
+    pub cache_invalidated: IntCounterVec,
+    pub cache_busts: IntCounterVec,
     pub usage_injected: IntCounterVec,
     pub upstream_errors: IntCounterVec,
     pub usage_parse_errors: IntCounterVec,
@@ -163,6 +168,7 @@ series! {
     projection_error: Histogram;
     utilization: Histogram;
     usage_missing: IntCounter;
+    context_window: Gauge;
 }
 
 /// Buckets for latencies from 50 µs to a long stream.
@@ -380,6 +386,24 @@ impl Metrics {
                 "tidemark_trimmed_tokens_total",
                 "tokens removed by trims (projected)",
                 am,
+            ),
+            context_window: gauge(
+                r,
+                "tidemark_context_window_tokens",
+                "the window in use: flag, learned from the provider, or table",
+                am,
+            ),
+            cache_invalidated: counter(
+                r,
+                "tidemark_cache_invalidated_tokens_total",
+                "tokens the provider had cached and had to process again after a prefix change",
+                am,
+            ),
+            cache_busts: counter(
+                r,
+                "tidemark_cache_busts_total",
+                "prefix changes that broke the prompt cache, by what changed",
+                &["api", "model", "cause"],
             ),
             usage_injected: counter(
                 r,

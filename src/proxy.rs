@@ -26,6 +26,7 @@ use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
 use crate::provider::{self, Api, ErrorShape, Provider};
+use crate::session::cache::Prefix;
 use crate::session::identity::{self, asking, credential_hash, ContentOnce};
 use crate::session::{
     decimal, Begun, KeySource, Outcome, Projection, RequestFacts, Ruler, SessionConfig, Store,
@@ -265,6 +266,11 @@ struct Inspected {
     trimmed: Option<String>,
     /// The trimmed body before usage injection (what a retry without the option sends).
     trimmed_body: Option<Bytes>,
+    /// A hash of the trim's cut (0: untrimmed): a cut that moves is a
+    /// prompt-cache bust of its own cause.
+    cut: u64,
+    /// The model as the request names it (a learned window is its).
+    model: Option<String>,
     /// When the request came in: tidemark's own answers are timed from here.
     start: Instant,
 }
@@ -609,6 +615,7 @@ async fn api_request(
         mut content,
     } = identify(cfg, &parts.headers, query, p, &view);
     let continues = p.continues(&view);
+    let chained = continues.is_some();
     // Forwarded before it is projected, the request takes its place in the
     // session's order now, so two in flight keep the order they came in.
     // (With --state redis the order is Redis's, taken when it is asked.)
@@ -651,9 +658,7 @@ async fn api_request(
             e.unwrap_or_else(|| state.estimator.estimate(p, &view, model.as_deref()))
         }
     };
-    let window = model
-        .as_deref()
-        .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
+    let (window, window_upstream) = window_of(state, upstream, model.as_deref());
     // Only a trim reads or remembers cuts.
     let cut_key = match cfg.on_over {
         OnOver::Trim => key.as_ref().map(|k| format!("{credential}\u{0}{k}")),
@@ -669,6 +674,7 @@ async fn api_request(
         classes: estimate.classes,
         reset,
         window,
+        window_upstream,
         counted: None,
         continues,
         content: content.get(p, &view).unwrap_or_default(),
@@ -704,6 +710,8 @@ async fn api_request(
         injected: false,
         trimmed: None,
         trimmed_body: None,
+        cut: 0,
+        model,
         start,
     };
 
@@ -738,7 +746,7 @@ async fn api_request(
                             state,
                             api,
                             src,
-                            model.as_deref(),
+                            ins.model.as_deref(),
                             cut_key.as_deref(),
                             ins.begun.ruler,
                             reserve,
@@ -757,6 +765,7 @@ async fn api_request(
                     over_budget(OnOver::Trim);
                     state.store.reproject(&mut ins.begun, est);
                     let after = ins.begun.projection.tokens + reserve;
+                    ins.cut = cut_hash(&t.cut);
                     // Only a cut that was forwarded is remembered.
                     if let Some(k) = cut_key {
                         remember_cut(state, k, t.cut.clone());
@@ -774,6 +783,19 @@ async fn api_request(
                 }
             }
         }
+    }
+
+    // What is sent, as the provider's prompt cache will see it: compared
+    // with the lane's previous request when the response comes back. A
+    // chained request (`previous_response_id`) carries only its new input.
+    if ins.begun.ticket.session().is_some() && !chained {
+        let sent = match &ins.trimmed_body {
+            Some(b) => RequestView::parse(b),
+            None => None,
+        };
+        let sent = sent.as_ref().unwrap_or(&view);
+        let prefix = Prefix::of(p, sent, &state.estimator, ins.model.as_deref(), ins.cut);
+        ins.begun.ticket.set_prefix(prefix);
     }
 
     let mut result = match early {
@@ -837,9 +859,13 @@ async fn api_request(
                         None => return reject(state, p, ins, &ProxyError::ClientBody),
                     }
                 } else {
+                    let up = crate::window_learned::upstream_id(upstream);
+                    let status = rparts.status.as_u16();
+                    let refused =
+                        learn_from_refusal(state, p, status, &bytes, &up, ins.model.as_deref());
                     let mut resp = Response::from_parts(rparts, ObservedBody::full(bytes));
                     resp.headers_mut().remove(CONTENT_LENGTH);
-                    return respond_buffered(state, p, ins, resp);
+                    return respond_buffered(state, p, ins, resp, refused);
                 }
             } else {
                 result = Ok(resp);
@@ -898,8 +924,19 @@ async fn api_request(
                 watch.decoder = decoder;
             }
         }
+    } else if status.is_client_error() && cfg.tap {
+        // A refusal may name the window the upstream enforces.
+        let ce = rparts
+            .headers
+            .get(CONTENT_ENCODING)
+            .and_then(|v| v.to_str().ok());
+        watch.capture = Some(crate::tap::ErrorCapture::new(ce));
     }
-    watch.on_finish = Some(recorder(state, api, status.as_u16(), ins));
+    // Where a window can be learned (a refusal) or unlearned (more accepted
+    // than one said fits), the upstream it belongs to.
+    let learn_at = (status.is_client_error() || !state.store.windows().is_empty())
+        .then(|| crate::window_learned::upstream_id(upstream));
+    watch.on_finish = Some(recorder(state, api, status.as_u16(), ins, learn_at));
     let body = ObservedBody::watched(
         rbody.map_err(Into::into).boxed_unsync(),
         watch,
@@ -997,11 +1034,74 @@ pub(crate) async fn project(
     begun
 }
 
-/// The projection's utilisation, exported once per request.
+/// The projection's utilisation and the window in use, exported once per
+/// request.
 fn observe_projection(series: &metrics::Series, begun: &Begun) {
     if let Some(u) = begun.projection.util() {
         series.utilization().observe(u);
     }
+    if let Some(w) = begun.projection.window {
+        series.context_window().set(w as f64);
+    }
+}
+
+/// The window a request is measured against: a `--context-window` rule,
+/// else what its upstream taught (`window_learned.rs`), else the table.
+/// With it, the upstream whose learned window a shared backend may still
+/// supply (`None` when a rule decided, or nothing can be learned for it).
+pub(crate) fn window_of(
+    state: &State,
+    upstream: &Upstream,
+    model: Option<&str>,
+) -> (Option<u64>, Option<String>) {
+    let Some(m) = model else {
+        return (None, None);
+    };
+    if let Some(w) = crate::window::flag_window(&state.config.context_windows, m) {
+        return (Some(w), None);
+    }
+    let learned = state.store.windows();
+    // The upstream's name is made only where it is looked up: a shared
+    // backend, or once this process has learned anything.
+    let shared = matches!(state.store, crate::session::Store::Redis(_));
+    if !shared && learned.is_empty() {
+        return (crate::window::table_window(m), None);
+    }
+    let up = crate::window_learned::upstream_id(upstream);
+    let w = learned
+        .get(&up, m)
+        .or_else(|| crate::window::table_window(m));
+    (w, Some(up))
+}
+
+/// What an upstream's refusal of one request teaches: the window it
+/// enforces for the model (learned for that upstream), and the prompt's
+/// real size when it names it (which anchors the lane).
+pub(crate) fn learn_from_refusal(
+    state: &State,
+    p: &dyn Provider,
+    status: u16,
+    body: &[u8],
+    upstream: &str,
+    model: Option<&str>,
+) -> Option<u64> {
+    let e = p.context_error(status, body)?;
+    if let Some(m) = model {
+        state.store.learn_window(upstream, m, e.window);
+    }
+    e.prompt
+}
+
+/// A cut as a number: two requests sent with the same cut share it.
+fn cut_hash(c: &Cut) -> u64 {
+    use xxhash_rust::xxh3::Xxh3;
+    let mut h = Xxh3::new();
+    h.update(&(c.dropped_until as u64).to_le_bytes());
+    for e in &c.elided {
+        h.update(&(*e as u64).to_le_bytes());
+    }
+    h.update(&c.prefix_hash.to_le_bytes());
+    h.digest().max(1)
 }
 
 /// What the policy makes of a projected request.
@@ -1358,6 +1458,7 @@ fn respond_buffered(
     p: &dyn Provider,
     ins: Inspected,
     mut resp: Response<ObservedBody>,
+    refused_prompt: Option<u64>,
 ) -> Response<ObservedBody> {
     upstream::strip_hop_by_hop(resp.headers_mut());
     add_policy_headers(resp.headers_mut(), &ins, state.config.warn_at);
@@ -1373,6 +1474,7 @@ fn respond_buffered(
         Outcome {
             status: code,
             completed: true,
+            refused_prompt,
             ..Default::default()
         },
     );
@@ -1380,12 +1482,14 @@ fn respond_buffered(
 }
 
 /// The callback the tap fires once when the response ends: the response's
-/// usage is recorded.
+/// usage is recorded. `learn_at`: the upstream's name, where a refusal may
+/// teach its window or an answer unteach it.
 fn recorder(
     state: &Local,
     api: Api,
     status: u16,
     ins: Inspected,
+    learn_at: Option<String>,
 ) -> Box<dyn FnOnce(Finish) + Send> {
     let a = api.as_str();
     // The callback outlives this request's borrow of the state.
@@ -1400,6 +1504,22 @@ fn recorder(
                 .inc();
         }
         let completed = f.completed;
+        let mut observed = read.observed;
+        if let Some(up) = learn_at.as_deref() {
+            let model = ins.model.as_deref();
+            if let Some(body) = f.error_body.as_deref() {
+                observed.refused_prompt =
+                    learn_from_refusal(&state, api.provider(), status, body, up, model);
+            }
+            // A window learned too small (a provider since raised it): the
+            // answer shows more fits than it said.
+            let real = observed.usage.total_context.unwrap_or(0);
+            if let Some(m) = model.filter(|_| (200..300).contains(&status)) {
+                if state.store.windows().get(up, m).is_some_and(|w| real > w) {
+                    state.store.forget_window(up, m);
+                }
+            }
+        }
         record(
             &state,
             ins.series,
@@ -1407,7 +1527,7 @@ fn recorder(
             ins.begun,
             status,
             completed,
-            read.observed,
+            observed,
         );
     })
 }
@@ -1466,6 +1586,7 @@ pub(crate) fn record(
             response_id: observed.response_id,
             completed,
             server_edit: observed.server_edit,
+            refused_prompt: observed.refused_prompt,
         },
     );
 }

@@ -33,6 +33,64 @@ pub struct Finish {
     pub idle_timeout: bool,
     /// Body bytes forwarded to the client.
     pub bytes: u64,
+    /// An error response's body (decoded, at most [`MAX_ERROR_BODY`]
+    /// bytes), when it was captured: what a refusal says.
+    pub error_body: Option<Vec<u8>>,
+}
+
+/// Most bytes of an error body kept (error bodies are small; one that is
+/// not is no refusal tidemark reads).
+pub const MAX_ERROR_BODY: usize = 64 << 10;
+
+/// An error response's body, copied as it goes by (the client's bytes are
+/// not held back), up to [`MAX_ERROR_BODY`].
+pub struct ErrorCapture {
+    raw: Vec<u8>,
+    /// The response's content coding, decoded at the end.
+    coding: Option<String>,
+    over: bool,
+}
+
+impl ErrorCapture {
+    pub fn new(content_encoding: Option<&str>) -> Self {
+        ErrorCapture {
+            raw: Vec::new(),
+            coding: content_encoding
+                .map(str::trim)
+                .filter(|e| !e.is_empty() && !e.eq_ignore_ascii_case("identity"))
+                .map(str::to_string),
+            over: false,
+        }
+    }
+
+    fn push(&mut self, chunk: &[u8]) {
+        if self.raw.len() + chunk.len() > MAX_ERROR_BODY {
+            self.over = true;
+            return;
+        }
+        self.raw.extend_from_slice(chunk);
+    }
+
+    /// The whole body, decoded; `None` when it was too long or undecodable.
+    fn finish(self) -> Option<Vec<u8>> {
+        if self.over {
+            return None;
+        }
+        let Some(coding) = self.coding else {
+            return Some(self.raw);
+        };
+        let mut d = BodyDecoder::new(&coding)?;
+        let mut out = Vec::new();
+        // Piece by piece, so a small body that inflates hugely stops early.
+        for piece in self.raw.chunks(1024) {
+            d.push(piece, &mut out).ok()?;
+            if out.len() > MAX_ERROR_BODY {
+                return None;
+            }
+        }
+        d.finish(&mut out).ok()?;
+        (out.len() <= MAX_ERROR_BODY).then_some(out)
+    }
 }
 
 /// Per-response observation state; dropped (and the callback fired) once.
@@ -45,6 +103,8 @@ pub struct Watch {
     /// With the stripper, on a compressed upstream body: the client gets
     /// it decoded (the stripper must see the stream as sent).
     pub decoder: Option<BodyDecoder>,
+    /// An error response's body being copied for its refusal.
+    pub capture: Option<ErrorCapture>,
     pub on_finish: Option<Box<dyn FnOnce(Finish) + Send>>,
     first_byte: bool,
     bytes: u64,
@@ -59,6 +119,7 @@ impl Watch {
             reader: None,
             stripper: None,
             decoder: None,
+            capture: None,
             on_finish: None,
             first_byte: false,
             bytes: 0,
@@ -119,12 +180,17 @@ impl Watch {
             h.observe(now.saturating_duration_since(self.start).as_secs_f64());
         }
         let read = self.reader.as_mut().map(|r| r.finish());
+        let error_body = match self.capture.take() {
+            Some(c) if completed => c.finish(),
+            _ => None,
+        };
         cb(Finish {
             read,
             completed,
             upstream_failed,
             idle_timeout,
             bytes: self.bytes,
+            error_body,
         });
     }
 }
@@ -328,6 +394,9 @@ impl Body for ObservedBody {
                         Ok(data) => {
                             if let Some(r) = w.reader.as_mut() {
                                 r.feed_bytes(&data);
+                            }
+                            if let Some(c) = w.capture.as_mut() {
+                                c.push(&data);
                             }
                             let ended = this.inner.is_end_stream();
                             let data = match w.stripper.is_some() {

@@ -61,11 +61,22 @@ const BUILTIN: &[(&str, u64)] = &[
 ];
 
 /// The context window of `model`: the first matching user rule, else the
-/// built-in table, else unknown.
+/// built-in table, else unknown. (What an upstream taught sits between the
+/// two: `window_learned.rs`.)
 pub fn window_for(rules: &[WindowRule], model: &str) -> Option<u64> {
-    if let Some(r) = rules.iter().find(|r| glob_match(&r.glob, model)) {
-        return Some(r.tokens);
-    }
+    flag_window(rules, model).or_else(|| table_window(model))
+}
+
+/// The window the first matching `--context-window` rule gives `model`.
+pub fn flag_window(rules: &[WindowRule], model: &str) -> Option<u64> {
+    rules
+        .iter()
+        .find(|r| glob_match(&r.glob, model))
+        .map(|r| r.tokens)
+}
+
+/// The built-in table's window of `model`.
+pub fn table_window(model: &str) -> Option<u64> {
     with_base_name(model.trim(), |name| {
         BUILTIN
             .iter()

@@ -37,6 +37,10 @@ fn num(s: &str) -> Option<u64> {
 fn parse(out: &str) -> Vec<(String, Vec<Row>)> {
     let mut sessions: Vec<(String, Vec<Row>)> = Vec::new();
     for line in out.lines() {
+        if line.starts_with("== the same agent") {
+            // The story after the tables (checked on its own).
+            break;
+        }
         if let Some(h) = line.strip_prefix("== ") {
             let api = h.split_whitespace().next().unwrap().to_string();
             sessions.push((api, Vec::new()));
@@ -165,7 +169,137 @@ async fn demo_table_matches_the_simulated_providers_counts() {
             );
         }
     }
+    story_acts_say_what_happened(&stdout, &stderr);
     let _ = std::fs::remove_dir_all(&dump);
+}
+
+/// The numbers of a line, commas read through (`31,504` is one number).
+fn numbers(line: &str) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut cur: Option<u64> = None;
+    let b = line.as_bytes();
+    for (i, &c) in b.iter().enumerate() {
+        match c {
+            b'0'..=b'9' => cur = Some(cur.unwrap_or(0) * 10 + u64::from(c - b'0')),
+            b',' if cur.is_some() && b.get(i + 1).is_some_and(u8::is_ascii_digit) => {}
+            _ => {
+                if let Some(n) = cur.take() {
+                    out.push(n);
+                }
+            }
+        }
+    }
+    out.extend(cur);
+    out
+}
+
+/// The number right after `after` in `line`.
+fn after(line: &str, after: &str) -> u64 {
+    let at = line
+        .find(after)
+        .unwrap_or_else(|| panic!("{after:?} in {line}"));
+    numbers(&line[at + after.len()..])[0]
+}
+
+/// The story's act lines, each checked for what it claims.
+fn story_acts_say_what_happened(stdout: &str, stderr: &str) {
+    let story = stdout
+        .split("== the same agent, continued")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the story follows the tables:\n{stdout}"));
+    let line = |tag: &str| -> &str {
+        story
+            .lines()
+            .find(|l| l.starts_with(tag))
+            .unwrap_or_else(|| panic!("a line starting {tag:?}:\n{story}"))
+    };
+    let w = 32_000u64;
+
+    // Act 1: refused by tidemark, in the provider's words, before the
+    // provider would have refused it.
+    let reject = line("reject  turn ");
+    let refused_at = after(reject, "reject  turn ");
+    assert!(
+        reject.contains("refused by tidemark, never sent"),
+        "{reject}"
+    );
+    assert!(
+        reject.contains("x-tidemark-error: context-budget"),
+        "{reject}"
+    );
+    let p = after(reject, "your messages resulted in ");
+    assert_eq!(after(reject, "maximum context length is "), w, "{reject}");
+    assert!(p as f64 > 0.95 * w as f64, "over the limit line: {reject}");
+    let provider = after(reject, "The provider's own count of it: ");
+    assert!(provider < w, "the provider would have taken it: {reject}");
+    let compacted = line("        the agent compacted");
+    assert!(compacted.contains("-> 1 summary"), "{compacted}");
+    assert!(compacted.contains(&format!("turn {} projected", refused_at + 1)));
+    assert!(compacted.contains("src=calibrated"), "{compacted}");
+    assert!(
+        compacted.contains(&format!("turn {} src=anchored", refused_at + 2)),
+        "{compacted}"
+    );
+
+    // Act 2: trimmed, the provider answered, the cut's bust counted, then
+    // the cut held.
+    let trim = line("trim    turn ");
+    let before = after(trim, "before=");
+    let after_trim = after(trim, "after=");
+    assert!(
+        after_trim < before && before as f64 > 0.95 * w as f64,
+        "{trim}"
+    );
+    assert!(after(trim, "the provider counted ") < w, "{trim}");
+    let held = line("        the new cut cost the prompt cache ");
+    assert!(after(held, "cost the prompt cache ") > 0, "{held}");
+    assert!(held.contains("{cause=\"trim\"} 1)"), "{held}");
+    assert!(held.ends_with(", 0 busts."), "{held}");
+
+    // Act 3: the loss is loud.
+    let loss = line("loss    turn ");
+    let silent = after(loss, "loss    turn ");
+    assert!(
+        loss.contains(&format!("turn {}: src=lost", silent + 1)),
+        "{loss}"
+    );
+    assert!(loss.contains("tidemark_anchor_lost_total 1"), "{loss}");
+    assert!(loss.contains("anchor_losses 1 in /sessions"), "{loss}");
+    assert!(loss.contains("src=anchored again"), "{loss}");
+    assert!(
+        stderr.contains("anchor lost") && stderr.contains("demo-story-trim"),
+        "one WARN naming the session:\n{stderr}"
+    );
+
+    // Act 4: the bust, in tidemark's metrics as in the provider's accounting.
+    let bust = line("bust    turn ");
+    let read = after(bust, "The provider read ");
+    let cached = after(bust, " of the ");
+    let invalidated = after(bust, "tokens it had cached: ");
+    assert!(invalidated > 0 && read + invalidated == cached, "{bust}");
+    assert!(bust.contains("{cause=\"history\"} 1"), "{bust}");
+    assert_eq!(
+        after(bust, "tidemark_cache_invalidated_tokens_total +"),
+        invalidated
+    );
+    assert_eq!(after(bust, "the provider's own accounting: "), invalidated);
+
+    // What the same agent saw without tidemark.
+    let without = story
+        .split("without tidemark:")
+        .nth(1)
+        .unwrap_or_else(|| panic!("the closing summary:\n{story}"));
+    let wall = line("  reject: the provider's own 400 at turn ");
+    let wall_at = after(wall, "400 at turn ");
+    assert!(wall_at > refused_at, "tidemark refused first: {wall}");
+    for tag in ["  reject:", "  trim:", "  loss:", "  bust:"] {
+        assert!(
+            without.lines().any(|l| l.starts_with(tag)),
+            "{tag} in the summary:\n{without}"
+        );
+    }
+    assert!(line("  trim:").contains(&format!("400 at turn {wall_at}")));
+    assert!(line("  loss:").contains("no sign of it"));
 }
 
 #[cfg(unix)]

@@ -91,6 +91,17 @@ const SPEC: &[(&str, &str, &[&str])] = &[
     ("tidemark_state_backend_errors_total", "counter", &[]),
     ("tidemark_up", "gauge", &[]),
     ("tidemark_websockets", "gauge", &["api"]),
+    ("tidemark_context_window_tokens", "gauge", &["api", "model"]),
+    (
+        "tidemark_cache_invalidated_tokens_total",
+        "counter",
+        &["api", "model"],
+    ),
+    (
+        "tidemark_cache_busts_total",
+        "counter",
+        &["api", "model", "cause"],
+    ),
 ];
 
 /// The values each single label of SPEC §7 takes, all exported from start-up.

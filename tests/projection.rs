@@ -1121,6 +1121,7 @@ const FIELDS: &[&str] = &[
     "classes",
     "compactions",
     "anchor_losses",
+    "cache",
     "cumulative",
     "last_seen",
     "key_source",
@@ -1144,6 +1145,7 @@ const LANE_FIELDS: &[&str] = &[
     "calibration",
     "classes",
     "anchor_losses",
+    "cache",
     "last_seen",
 ];
 

@@ -858,3 +858,62 @@ async fn a_chained_turn_on_another_replica_stays_in_its_lane() {
         p.stop().await;
     }
 }
+
+/// A window one replica learned from its upstream's refusal is the window
+/// every replica measures against: the lesson is a field of the model's
+/// shared record, read in the same round trip as the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_learned_by_one_replica_is_every_replicas() {
+    const W: u64 = 3000;
+    let server = Server::start();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let cfg = SimConfig {
+        context_window: Some(W),
+        ..SimConfig::default()
+    };
+    tokio::spawn(sim::serve(l, cfg, async move {
+        let _ = rx.await;
+    }));
+    let small_sim = Sim { url, _stop };
+    let (a, b) = replicas(&small_sim, &server, &["--on-over", "reject"]).await;
+    let c = client_h1();
+    let big = turn(14);
+    assert!(sim::count_prompt(sim::SimApi::Anthropic, &big).total > W);
+
+    let r = ask(&c, &b, "window-b", &turn(1)).await;
+    assert_eq!(r.status, 200);
+    assert!(r.has("window=200000"), "the table's: {}", r.projection);
+    // Replica A sends the big body; the provider refuses it in its words.
+    let r = ask(&c, &a, "window-a", &big).await;
+    assert_eq!(r.status, 400);
+    assert!(r.has("window=200000"), "{}", r.projection);
+    // Replica B, another session, measures against the learned window (the
+    // write-back lands off A's response path: bounded polling).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = ask(&c, &b, "window-b", &turn(1)).await;
+        if r.has(&format!("window={W}")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica B never learned: {}",
+            r.projection
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut conn = raw(&server).await;
+    let fields: Vec<String> = redis::cmd("HKEYS")
+        .arg("tidemark:v2:model:{claude-sonnet-4-5}")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        fields.iter().any(|f| f.starts_with("w:127.0.0.1:")),
+        "{fields:?}"
+    );
+    a.stop().await;
+    b.stop().await;
+}

@@ -454,6 +454,14 @@ async fn faults_omit_usage_fail_and_abort() {
     let second = sse_events(&post(s.addr, "/v1/messages", &req, false).await.text());
     assert!(second[0].1["message"].get("usage").is_none());
     assert!(second.iter().all(|(_, e)| e.get("usage").is_none()));
+    // One request asks for a response without usage.
+    let s = start(SimConfig::default()).await;
+    let h = [(tidemark::sim::X_SIM_OMIT_USAGE, "1")];
+    let asked = sse_events(&post_with(s.addr, "/v1/messages", &req, &h).await.text());
+    assert!(asked[0].1["message"].get("usage").is_none());
+    assert!(asked.iter().all(|(_, e)| e.get("usage").is_none()));
+    let next = sse_events(&post(s.addr, "/v1/messages", &req, false).await.text());
+    assert!(next[0].1["message"].get("usage").is_some());
 
     let s = start(SimConfig {
         fail_status: Some(529),

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-use crate::inspect::RequestView;
+use crate::inspect::{Raw, RequestView};
 use crate::provider::{Api, Provider};
 use cache::{Cache, Counted};
 pub use classes::{Class, Classes, CLASSES};
@@ -225,6 +225,75 @@ impl Estimator {
         )
     }
 
+    /// Every unit of `req` the provider counts, in the order it sees them
+    /// (each element of a per-element field, each other field whole): what
+    /// the prompt cache's view of a request is made of (`session/cache.rs`).
+    /// For each, `f` gets its field, its raw text, its estimated tokens
+    /// (from the per-message cache the estimate just filled), its cache
+    /// key (a 128-bit hash of its bytes: a content hash to compare), and
+    /// the same key function for other bytes (the unit's content with its
+    /// moving markers left out hashes as the same unit without them).
+    pub fn each_unit(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        mut f: impl FnMut(&crate::provider::CountedField, Raw<'_>, u64, u128, &dyn Fn(&[u8]) -> u128),
+    ) {
+        let api = p.api();
+        let enc = Encoding::for_model(api, model);
+        let images = image_class(api, model);
+        let mut unbounded = usize::MAX;
+        let mut keys = Vec::new();
+        let mut found = Vec::new();
+        for field in p.counted_fields() {
+            let Some(raw) = req.raw(field.name) else {
+                continue;
+            };
+            if let Some(els) = req.elements(field.name).filter(|_| field.per_element) {
+                // As the estimate looks a long history up: a batch, a lock
+                // per cache shard.
+                keys.clear();
+                keys.extend(
+                    els.iter()
+                        .map(|el| unit_key(enc, field.unit, images, el.get())),
+                );
+                self.cache.get_many(&keys, &mut found);
+                let rekey = |b: &[u8]| unit_key_bytes(enc, field.unit, images, b);
+                for ((el, &key), c) in els.iter().zip(&keys).zip(&found) {
+                    let c = c.or_else(|| {
+                        self.unit_keyed(api, enc, model, field.unit, key, el.get(), &mut unbounded)
+                    });
+                    f(
+                        field,
+                        *el,
+                        c.map_or(0, |c| c.tokens()),
+                        key,
+                        &rekey,
+                    );
+                }
+                continue;
+            }
+            if json::kind(raw.get()) == b'n' {
+                continue;
+            }
+            let unit = match (api, field.unit) {
+                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
+                (_, u) => u,
+            };
+            let key = unit_key(enc, unit, images, raw.get());
+            let c = self.unit_keyed(api, enc, model, unit, key, raw.get(), &mut unbounded);
+            let rekey = |b: &[u8]| unit_key_bytes(enc, unit, images, b);
+            f(
+                field,
+                raw,
+                c.map_or(0, |c| c.tokens()),
+                key,
+                &rekey,
+            );
+        }
+    }
+
     /// Tokens of plain text under a model's tokenizer (no framing, no cache).
     pub fn count_text(api: Api, model: Option<&str>, text: &str) -> u64 {
         Encoding::for_model(api, model).count(text) as u64
@@ -297,8 +366,12 @@ const ONE_BY_ONE: usize = 32;
 /// A unit's cache key: its exact bytes, seeded with what else its count
 /// depends on (tokenizer, kind of unit, how images are priced).
 fn unit_key(enc: Encoding, unit: Unit, image_class: u64, raw: &str) -> u128 {
+    unit_key_bytes(enc, unit, image_class, raw.as_bytes())
+}
+
+fn unit_key_bytes(enc: Encoding, unit: Unit, image_class: u64, raw: &[u8]) -> u128 {
     let seed = enc.id() | (unit as u64) << 8 | image_class << 16;
-    xxh3_128_with_seed(raw.as_bytes(), seed)
+    xxh3_128_with_seed(raw, seed)
 }
 
 /// How a model prices images, part of every cache key (its counts differ).

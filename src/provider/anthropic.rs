@@ -6,8 +6,9 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::{
-    count, field, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
-    Node, Observed, Part, Provider, ERROR, USAGE,
+    count, error_object, field, first_valued, has_member, number_after, session_budget_message,
+    Api, ContextError, CountedField, ErrorShape, Node, Observed, Part, PromptCache, Provider,
+    ERROR, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -174,6 +175,34 @@ impl Provider for Anthropic {
         }))
         .unwrap_or_default()
     }
+    /// "prompt is too long: P tokens > W maximum" (fixture
+    /// anthropic-messages/error_prompt_too_long.json), or with the output
+    /// reserve named: "input length and `max_tokens` exceed context limit:
+    /// P + O > W, decrease input length or `max_tokens` and try again".
+    fn context_error(&self, status: u16, body: &[u8]) -> Option<ContextError> {
+        if !(400..500).contains(&status) {
+            return None;
+        }
+        let e = error_object(body)?;
+        let msg = e.get("message")?.as_str()?;
+        let (prompt, window) = if let Some(p) = number_after(msg, "prompt is too long:") {
+            (p, number_after(msg, "tokens >")?)
+        } else {
+            let p = number_after(msg, "exceed context limit:")?;
+            (p, number_after(msg, ">")?)
+        };
+        Some(ContextError {
+            window,
+            prompt: Some(prompt),
+            prompt_at_least: None,
+        })
+    }
+    /// Prefixes are written only where a request puts `cache_control`;
+    /// `cache_read_input_tokens` and `cache_creation_input_tokens` say
+    /// what was read and written.
+    fn prompt_cache(&self) -> PromptCache {
+        PromptCache::Breakpoints
+    }
 }
 
 /// The conversation id in Claude Code's `metadata.user_id`: either
@@ -208,6 +237,24 @@ pub(crate) fn session_of_user_id(user_id: &str) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn context_errors_teach_the_window_and_the_prompt() {
+        let learned = |body: &str| {
+            Anthropic
+                .context_error(400, body.as_bytes())
+                .map(|e| (e.window, e.prompt))
+        };
+        let fixture =
+            include_str!("../../tests/fixtures/anthropic-messages/error_prompt_too_long.json");
+        assert_eq!(learned(fixture), Some((200_000, Some(211_180))));
+        let reserve = r#"{"type":"error","error":{"type":"invalid_request_error","message":"input length and `max_tokens` exceed context limit: 188240 + 21333 > 200000, decrease input length or `max_tokens` and try again"}}"#;
+        assert_eq!(learned(reserve), Some((200_000, Some(188_240))));
+        let overloaded =
+            include_str!("../../tests/fixtures/anthropic-messages/error_overloaded.json");
+        assert_eq!(learned(overloaded), None);
+        assert_eq!(Anthropic.context_error(529, fixture.as_bytes()), None);
+    }
 
     #[test]
     fn session_id_from_either_user_id_form_and_nothing_else() {

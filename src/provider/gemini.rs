@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, field, has_member, Api, CountedField, ErrorShape, Node, Observed, Part, Provider, Usage,
-    ERROR, USAGE_METADATA,
+    count, field, has_member, Api, ContextError, CountedField, ErrorShape, Node, Observed, Part,
+    PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -148,11 +148,49 @@ impl Provider for Gemini {
         }))
         .unwrap_or_default()
     }
+    /// 400 INVALID_ARGUMENT, "The input token count (P) exceeds the maximum
+    /// number of tokens allowed (W)." (fixture
+    /// gemini/error_input_token_count_exceeded.json).
+    fn context_error(&self, status: u16, body: &[u8]) -> Option<ContextError> {
+        if !(400..500).contains(&status) {
+            return None;
+        }
+        let e = super::error_object(body)?;
+        let msg = e.get("message")?.as_str()?;
+        let window = super::number_after(msg, "maximum number of tokens allowed")?;
+        Some(ContextError {
+            window,
+            prompt: super::number_after(msg, "input token count"),
+            prompt_at_least: None,
+        })
+    }
+    /// Implicit caching: automatic from 1024 tokens (2.5 Flash; Pro's
+    /// minimum is larger), reported to the token in
+    /// `cachedContentTokenCount`.
+    fn prompt_cache(&self) -> PromptCache {
+        PromptCache::Automatic {
+            min: 1024,
+            granularity: 1,
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn context_errors_teach_the_window_and_the_prompt() {
+        let fixture =
+            include_str!("../../tests/fixtures/gemini/error_input_token_count_exceeded.json");
+        let e = Gemini.context_error(400, fixture.as_bytes()).unwrap();
+        assert_eq!((e.window, e.prompt), (1_048_576, Some(1_200_293)));
+        // The streamed array form carries the error as its one element.
+        let arr = format!("[{fixture}]");
+        assert_eq!(Gemini.context_error(400, arr.as_bytes()), Some(e));
+        let quota = r#"{"error":{"code":429,"message":"Resource has been exhausted (e.g. check quota).","status":"RESOURCE_EXHAUSTED"}}"#;
+        assert_eq!(Gemini.context_error(429, quota.as_bytes()), None);
+    }
 
     #[test]
     fn model_and_stream_from_path() {

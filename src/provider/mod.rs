@@ -148,6 +148,63 @@ pub enum ErrorShape {
     SessionBudget { spent: u64, budget: u64 },
 }
 
+/// What a provider's context-length refusal says: the window the endpoint
+/// really enforces for the model (a gateway, a tier, a local server's
+/// `n_ctx` often enforce less than the model's published window) and, where
+/// the message names it, the prompt's size as the provider counted it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextError {
+    pub window: u64,
+    /// The prompt's real size: a count as good as a response's usage.
+    pub prompt: Option<u64>,
+    /// Only a lower bound on the prompt (vLLM stops counting one token past
+    /// what fits): proof that it did not fit, not a count.
+    pub prompt_at_least: Option<u64>,
+}
+
+/// How an API caches prompt prefixes, for the cache economics of a lane
+/// (`session/cache.rs`): what a request leaves cached and what a reuse is
+/// reported as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptCache {
+    /// Every prompt of at least `min` tokens is cached whole, and reads
+    /// come in multiples of `granularity` (OpenAI: 1024 and 128).
+    Automatic { min: u64, granularity: u64 },
+    /// Only prefixes that end at a client's breakpoint are written, and the
+    /// response reports reads and writes apart (Anthropic `cache_control`).
+    Breakpoints,
+}
+
+impl PromptCache {
+    /// Tokens a request of `real` prompt tokens left in the cache, from
+    /// what its response reported.
+    pub fn extent(&self, real: u64, usage: &Usage) -> u64 {
+        match *self {
+            PromptCache::Automatic { .. } => self.reusable(real),
+            PromptCache::Breakpoints => usage
+                .cached_input
+                .unwrap_or(0)
+                .saturating_add(usage.cache_creation.unwrap_or(0)),
+        }
+    }
+
+    /// Of a prefix of `tokens`, what a cache read of it is reported as
+    /// (rounded down to the block, nothing under the minimum).
+    pub fn reusable(&self, tokens: u64) -> u64 {
+        match *self {
+            PromptCache::Automatic { min, granularity } => {
+                let g = granularity.max(1);
+                if tokens >= min {
+                    tokens / g * g
+                } else {
+                    0
+                }
+            }
+            PromptCache::Breakpoints => tokens,
+        }
+    }
+}
+
 /// What the tap learned from one response.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Observed {
@@ -162,6 +219,9 @@ pub struct Observed {
     /// tokens it says it cleared, 0 when it does not say. The count then
     /// dropped while the request did not.
     pub server_edit: Option<u64>,
+    /// The provider refused the request as over its window and named the
+    /// prompt's real size (`Provider::context_error`).
+    pub refused_prompt: Option<u64>,
 }
 
 pub trait Provider: Send + Sync + 'static {
@@ -253,6 +313,23 @@ pub trait Provider: Send + Sync + 'static {
     /// The body of an error tidemark itself produces, in this API's shape.
     /// `kind` is the `x-tidemark-error` value.
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8>;
+
+    /// What a refusal (`status`, the body as sent, decoded) says of the
+    /// window, when it is this API's context-length error; `None` for
+    /// every other error, and where the API's refusal names no numbers.
+    fn context_error(&self, _status: u16, _body: &[u8]) -> Option<ContextError> {
+        None
+    }
+
+    // ---- prompt cache -------------------------------------------------
+
+    /// How this API caches prompt prefixes.
+    fn prompt_cache(&self) -> PromptCache {
+        PromptCache::Automatic {
+            min: 1024,
+            granularity: 1,
+        }
+    }
 }
 
 /// A JSON value as the tap parsed it for a provider: objects hold only the
@@ -440,6 +517,41 @@ pub(crate) fn truthy(v: Option<&Node>) -> bool {
     }
 }
 
+/// The integer that follows `after` in `text` (spaces, `(` and `$` skipped,
+/// thousands separators read through); `None` when `after` is absent or no
+/// digit follows it.
+pub(crate) fn number_after(text: &str, after: &str) -> Option<u64> {
+    let at = text.find(after)? + after.len();
+    let rest = text[at..].trim_start_matches([' ', '(', '$']);
+    let mut n: u64 = 0;
+    let mut digits = 0;
+    for c in rest.chars() {
+        match c {
+            '0'..='9' => {
+                n = n.checked_mul(10)?.checked_add(u64::from(c as u8 - b'0'))?;
+                digits += 1;
+            }
+            ',' if digits > 0 => {}
+            _ => break,
+        }
+    }
+    (digits > 0).then_some(n)
+}
+
+/// The `error` object of an error body: `{"error":{...}}`, or the first
+/// element of a JSON array of them (Gemini's streamed array form).
+pub(crate) fn error_object(body: &[u8]) -> Option<Value> {
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let v = match v {
+        Value::Array(mut a) if !a.is_empty() => a.swap_remove(0),
+        v => v,
+    };
+    match v {
+        Value::Object(mut o) => o.remove("error").filter(Value::is_object),
+        _ => None,
+    }
+}
+
 /// The OpenAI error object (chat completions, Responses), all four keys present.
 pub(crate) fn openai_error_body(shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
     let (msg, typ, param, code): (String, &str, Value, Value) = match shape {
@@ -485,6 +597,53 @@ pub(crate) fn session_budget_message(spent: u64, budget: u64, message: &str) -> 
 #[cfg(test)]
 mod helper_tests {
     use super::*;
+
+    #[test]
+    fn numbers_after_a_phrase() {
+        assert_eq!(
+            number_after("count (1200293) exceeds", "count"),
+            Some(1_200_293)
+        );
+        assert_eq!(number_after("is 128,000 tokens", "is"), Some(128_000));
+        assert_eq!(number_after("size, try", "size"), None);
+        assert_eq!(number_after("no phrase", "size"), None);
+        assert_eq!(number_after("is 99999999999999999999999", "is"), None);
+    }
+
+    #[test]
+    fn responses_refusal_names_no_numbers() {
+        let fx = include_str!(
+            "../../tests/fixtures/openai-responses/error_context_length_exceeded.json"
+        );
+        assert_eq!(OpenAiResponses.context_error(400, fx.as_bytes()), None);
+        // A server answering /responses in the chat wording teaches as on chat.
+        let vllm = r#"{"error":{"message":"This model's maximum context length is 4096 tokens. However, your messages resulted in 5000 tokens.","type":"BadRequestError","param":null,"code":400}}"#;
+        assert_eq!(
+            OpenAiResponses.context_error(400, vllm.as_bytes()),
+            Some(ContextError {
+                window: 4096,
+                prompt: Some(5000),
+                prompt_at_least: None
+            })
+        );
+        // Ollama never refuses: it truncates.
+        assert_eq!(Ollama.context_error(400, vllm.as_bytes()), None);
+    }
+
+    #[test]
+    fn what_a_request_leaves_cached() {
+        let openai = OpenAiChat.prompt_cache();
+        assert_eq!(openai.extent(1023, &Usage::default()), 0);
+        assert_eq!(openai.extent(1300, &Usage::default()), 1280);
+        let u = Usage {
+            cached_input: Some(2000),
+            cache_creation: Some(300),
+            ..Default::default()
+        };
+        assert_eq!(Anthropic.prompt_cache().extent(9000, &u), 2300);
+        assert_eq!(Gemini.prompt_cache().reusable(1030), 1030);
+        assert_eq!(Ollama.prompt_cache().reusable(10), 10);
+    }
 
     #[test]
     fn has_member_skips_null() {

@@ -4,7 +4,7 @@ use serde_json::Value;
 
 use super::{
     count, field, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Part,
-    Provider, Usage, ERROR, EVAL_COUNT,
+    PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -75,5 +75,17 @@ impl Provider for Ollama {
             ErrorShape::Generic { .. } => format!("{message} ({kind})"),
         };
         serde_json::to_vec(&serde_json::json!({ "error": msg })).unwrap_or_default()
+    }
+    // No `context_error`: over its window (`num_ctx`) Ollama does not
+    // refuse, it drops the oldest messages and truncates, and reports the
+    // count of what it kept (ollama/ollama#4967).
+
+    /// Ollama keeps its KV cache of the previous prompt and reuses any
+    /// prefix of it, reported nowhere.
+    fn prompt_cache(&self) -> PromptCache {
+        PromptCache::Automatic {
+            min: 0,
+            granularity: 1,
+        }
     }
 }

@@ -2,8 +2,9 @@
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
 use super::{
-    count, field, first_valued, has_member, last_valued, openai_error_body, truthy, Api,
-    CountedField, ErrorShape, Node, Observed, Part, Provider, Usage, ERROR, USAGE,
+    count, error_object, field, first_valued, has_member, last_valued, number_after,
+    openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, Node, Observed, Part,
+    PromptCache, Provider, Usage, ERROR, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -68,6 +69,74 @@ impl Provider for OpenAiChat {
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
         openai_error_body(shape, kind, message)
     }
+    fn context_error(&self, status: u16, body: &[u8]) -> Option<ContextError> {
+        if !(400..500).contains(&status) {
+            return None;
+        }
+        let e = error_object(body)?;
+        // llama.cpp's llama-server puts both numbers in fields of their own
+        // (tools/server `ERROR_TYPE_EXCEED_CONTEXT_SIZE`).
+        if let Some(window) = e.get("n_ctx").and_then(serde_json::Value::as_u64) {
+            return Some(ContextError {
+                window,
+                prompt: e.get("n_prompt_tokens").and_then(serde_json::Value::as_u64),
+                prompt_at_least: None,
+            });
+        }
+        context_message(e.get("message")?.as_str()?)
+    }
+    /// Automatic for prompts of 1024 tokens and more, hits in 128-token
+    /// increments (platform.openai.com/docs/guides/prompt-caching); the
+    /// OpenAI-compatible servers are taken to do the same.
+    fn prompt_cache(&self) -> PromptCache {
+        PromptCache::Automatic {
+            min: 1024,
+            granularity: 128,
+        }
+    }
+}
+
+/// The context-length refusals of OpenAI and the servers that copy its
+/// wording, each with the numbers it names:
+///
+/// - OpenAI: "This model's maximum context length is W tokens. However,
+///   your messages resulted in P tokens." (fixture
+///   openai-chat/error_context_length_exceeded.json), or with a completion
+///   asked for, "However, you requested T tokens (P in the messages, O in
+///   the completion)."
+/// - vLLM >= 0.10: "... maximum context length is W tokens. However, you
+///   requested O output tokens and your prompt contains at least S input
+///   tokens ..." — it stops tokenizing one past what fits, so S is a
+///   lower bound (vllm/entrypoints/openai/serving_engine.py); with
+///   `max_tokens` too large: "... maximum context length is W tokens and
+///   your request has P input tokens (O > W - P)".
+/// - llama.cpp's llama-server: "request (P tokens) exceeds the available
+///   context size (W tokens), try increasing it" (and the fields read above).
+pub(crate) fn context_message(msg: &str) -> Option<ContextError> {
+    if let Some(window) = number_after(msg, "available context size") {
+        return Some(ContextError {
+            window,
+            prompt: number_after(msg, "request"),
+            prompt_at_least: None,
+        });
+    }
+    let window = number_after(msg, "maximum context length is")?;
+    let exact = number_after(msg, "your messages resulted in")
+        .or_else(|| {
+            // "(P in the messages, O in the completion)"
+            let at = msg.find(" in the messages")?;
+            let open = msg[..at].rfind('(')?;
+            msg[open + 1..at].trim().replace(',', "").parse().ok()
+        })
+        .or_else(|| number_after(msg, "your request has"));
+    Some(ContextError {
+        window,
+        prompt: exact,
+        prompt_at_least: match exact {
+            Some(_) => None,
+            None => number_after(msg, "your prompt contains at least"),
+        },
+    })
 }
 
 /// `CompletionUsage`: `prompt_tokens` already includes the cached part.
@@ -91,6 +160,41 @@ fn usage(u: &Node) -> Usage {
 mod tests {
     use super::*;
     use serde_json::Value;
+
+    fn learned(status: u16, body: &str) -> Option<(u64, Option<u64>, Option<u64>)> {
+        OpenAiChat
+            .context_error(status, body.as_bytes())
+            .map(|e| (e.window, e.prompt, e.prompt_at_least))
+    }
+
+    #[test]
+    fn context_errors_teach_the_window_and_the_prompt() {
+        let fixture =
+            include_str!("../../tests/fixtures/openai-chat/error_context_length_exceeded.json");
+        assert_eq!(learned(400, fixture), Some((128_000, Some(131_419), None)));
+        // The request's own completion named beside the messages.
+        let completion = r#"{"error":{"message":"This model's maximum context length is 8192 tokens. However, you requested 8,503 tokens (7,503 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#;
+        assert_eq!(learned(400, completion), Some((8192, Some(7503), None)));
+        // vLLM >= 0.10: the prompt is only a lower bound.
+        let vllm = r#"{"error":{"message":"This model's maximum context length is 262144 tokens. However, you requested 0 output tokens and your prompt contains at least 262145 input tokens, for a total of at least 262145 tokens. Please reduce the length of the input prompt or the number of requested output tokens. (parameter=input_tokens, value=262145)","type":"BadRequestError","param":"input_tokens","code":400}}"#;
+        assert_eq!(learned(400, vllm), Some((262_144, None, Some(262_145))));
+        let too_many = r#"{"error":{"message":"'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778). None","type":"BadRequestError","param":null,"code":400}}"#;
+        assert_eq!(learned(400, too_many), Some((4096, Some(2778), None)));
+        // llama.cpp: the fields, or the message alone.
+        let llama = r#"{"error":{"code":400,"message":"request (9000 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9000,"n_ctx":8192}}"#;
+        assert_eq!(learned(400, llama), Some((8192, Some(9000), None)));
+        let message_only = r#"{"error":{"code":400,"message":"request (9000 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error"}}"#;
+        assert_eq!(learned(400, message_only), Some((8192, Some(9000), None)));
+        // Not a context-length error, not a client error, not JSON: nothing.
+        let quota = include_str!("../../tests/fixtures/openai-chat/error_insufficient_quota.json");
+        assert_eq!(learned(429, quota), None);
+        assert_eq!(learned(400, quota), None);
+        assert_eq!(learned(500, fixture), None);
+        assert_eq!(learned(400, "maximum context length is 5 tokens"), None);
+        // Older llama.cpp said it without numbers.
+        let old = r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"invalid_request_error"}}"#;
+        assert_eq!(learned(400, old), None);
+    }
 
     #[test]
     fn error_shapes() {

@@ -6,8 +6,8 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::{
-    count, field, has_member, openai_error_body, Api, CountedField, ErrorShape, Node, Observed,
-    Part, Provider, Usage, ERROR, RESPONSE_CREATED, USAGE,
+    count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape, Node,
+    Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -151,6 +151,22 @@ impl Provider for OpenAiResponses {
     }
     fn error_body(&self, shape: ErrorShape, kind: &str, message: &str) -> Vec<u8> {
         openai_error_body(shape, kind, message)
+    }
+    /// OpenAI's own refusal names no numbers ("Your input exceeds the
+    /// context window of this model.", fixture
+    /// openai-responses/error_context_length_exceeded.json; after a 200 it
+    /// is a `response.failed` event): nothing is learned from it. A server
+    /// that answers `/responses` in the chat wording with numbers (vLLM)
+    /// teaches as it does on chat.
+    fn context_error(&self, status: u16, body: &[u8]) -> Option<ContextError> {
+        if !(400..500).contains(&status) {
+            return None;
+        }
+        let e = super::error_object(body)?;
+        super::openai_chat::context_message(e.get("message")?.as_str()?)
+    }
+    fn prompt_cache(&self) -> PromptCache {
+        OpenAiChat.prompt_cache()
     }
 }
 

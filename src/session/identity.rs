@@ -331,6 +331,20 @@ pub fn content(p: &dyn Provider, view: &RequestView<'_>) -> Option<Content> {
 
 /// A value's content into `h` ([`crate::pick::content`]); its raw bytes if
 /// it cannot be stepped through.
+/// A value's content without its moving markers into `buf`, when it has
+/// any (false: its raw bytes are its content, `buf` untouched).
+pub(super) fn content_without_markers(raw: Raw<'_>, buf: &mut Vec<u8>) -> bool {
+    let b = raw.get().as_bytes();
+    if MARKER_NAME.find(b).is_none() {
+        return false;
+    }
+    buf.clear();
+    crate::pick::content(b, MOVING_MARKER, &mut |run: &[u8]| {
+        buf.extend_from_slice(run)
+    })
+    .is_some()
+}
+
 fn feed(h: &mut Xxh3, raw: Raw<'_>) {
     let b = raw.get().as_bytes();
     if MARKER_NAME.find(b).is_none()

@@ -26,6 +26,7 @@
 //! going first, and a lane idle longer than the session TTL is gone.
 use serde::{Deserialize, Serialize};
 
+use super::cache::{self, Answered, LaneCache, Prefix};
 use super::calibration::{ClassCal, ModelClasses, Taught};
 use super::{push_hex, rfc3339, wall_ms, Anchor, Content, KeySource, Outcome, Ruler, Src, State};
 use crate::estimate::Classes;
@@ -167,6 +168,10 @@ pub struct Lane {
     /// Process-local idle clock (ms since the store was made), for the TTL.
     #[serde(skip)]
     pub(super) idle_ms: u64,
+    /// The prompt cache's view of the lane: its previous request, its
+    /// busts (`cache.rs`).
+    #[serde(default)]
+    pub cache: LaneCache,
 }
 
 impl Lane {
@@ -203,6 +208,7 @@ impl Lane {
             begun: 0,
             ver: 0,
             idle_ms: 0,
+            cache: LaneCache::default(),
         }
     }
 
@@ -527,6 +533,24 @@ impl Session {
             })
             .max_by_key(|l| l.begun);
         let compacted = parent.is_some();
+        if parent.is_none() {
+            // The same conversation (model, stream, first message) under
+            // another system prompt: the prompt cache compares it with
+            // that one's last request, so the change shows as a bust.
+            if let Some(s) = self
+                .lanes
+                .iter()
+                .filter(|l| {
+                    l.model.as_deref() == r.sig.model
+                        && l.first == r.sig.content.first
+                        && l.stream == r.sig.stream
+                        && r.sig.content.first != 0
+                })
+                .max_by_key(|l| l.begun)
+            {
+                lane.cache = s.cache.continued();
+            }
+        }
         if let Some(p) = parent {
             count_compaction(r.api, r.sig.model);
             lane.reference = p.reference;
@@ -564,10 +588,12 @@ impl Session {
         (estimate, projection, classes): (u64, u64, &Classes),
         outcome: &Outcome,
         model_cal: impl Fn(Option<&str>) -> ModelCal,
+        prefix: Option<&Prefix>,
     ) -> Learned {
         let ok = (200..300).contains(&outcome.status);
         let usage = &outcome.usage;
-        let real = usage.total_context.filter(|_| ok && outcome.completed);
+        let answered = ok && outcome.completed;
+        let real = usage.total_context.filter(|_| answered);
         self.cum_input = self
             .cum_input
             .saturating_add(usage.total_context.unwrap_or(0));
@@ -575,7 +601,7 @@ impl Session {
             .cum_cached
             .saturating_add(usage.cached_input.unwrap_or(0));
         self.cum_output = self.cum_output.saturating_add(usage.output.unwrap_or(0));
-        if ok && outcome.completed {
+        if answered {
             self.turns += 1;
         }
         let api = self.api;
@@ -583,8 +609,24 @@ impl Session {
             return Learned::default();
         };
         lane.ver = lane.ver.max(seq);
+        if let Some(prefix) = prefix.filter(|_| answered) {
+            // Before the anchor moves: the shared prefix is measured from
+            // the previous request's real count with the ratio as it was.
+            let bust = lane.cache.answered(Answered {
+                prefix,
+                seq,
+                real,
+                projection,
+                usage,
+                rule: api.provider().prompt_cache(),
+                ratio: lane.marginal,
+            });
+            if let Some(b) = bust {
+                cache::count(api, lane.model.as_deref(), b);
+            }
+        }
         let mut learned = Learned::default();
-        if ok && outcome.completed {
+        if answered {
             lane.turns += 1;
             lane.had_ok = true;
             if seq >= lane.last_ok_seq {
@@ -595,63 +637,66 @@ impl Session {
                     lane.drift = (projection > 0).then(|| r as f64 / projection as f64);
                 }
             }
-            if let Some(real) = real {
+            if real.is_some() {
                 // A response with usage ends a loss episode.
                 lane.losing = false;
-                if seq >= lane.fence {
-                    // The provider cleared part of the context itself: its
-                    // count dropped while the body did not. It re-anchors;
-                    // it is no sample of the tokenizer nor of growth.
-                    let edited = outcome.server_edit.is_some();
-                    if let Some((r0, e0)) = lane.reference.filter(|_| !edited && !lane.edited) {
-                        // Differences cancel the provider's fixed overhead.
-                        let mut dr = real as f64 - r0 as f64;
-                        let mut de = estimate as f64 - e0 as f64;
-                        if de < 0.0 {
-                            (dr, de) = (-dr, -de);
-                        }
-                        if de > 0.0 && dr > 0.0 {
-                            let mcal = model_cal(lane.model.as_deref());
-                            let single = lane.marginal.or(mcal.marginal).unwrap_or(dr / de);
-                            learned.classes = lane.classes.learn_anchor(
-                                (e0, classes),
-                                real as f64 - r0 as f64,
-                                (&mcal.classes, single),
-                                (api, lane.model.as_deref()),
-                            );
-                            lane.marginal_real = lane.marginal_real * SESSION_DECAY + dr;
-                            lane.marginal_estimate = lane.marginal_estimate * SESSION_DECAY + de;
-                            if lane.marginal_estimate >= MIN_DELTA as f64 {
-                                lane.marginal = Some(
-                                    (lane.marginal_real / lane.marginal_estimate)
-                                        .clamp(RATIO_MIN, RATIO_MAX),
-                                );
-                            }
-                            if de >= MIN_DELTA as f64 {
-                                learned.marginal = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
-                            }
-                        }
+            }
+        }
+        // The provider's count: of a response, or of a refusal that named
+        // it (the window exceeded; no turn, but a real count all the same).
+        let counted = real.or(outcome.refused_prompt.filter(|_| !ok));
+        if let Some(real) = counted.filter(|_| seq >= lane.fence) {
+            // The provider cleared part of the context itself: its count
+            // dropped while the body did not. It re-anchors; it is no
+            // sample of the tokenizer nor of growth.
+            let edited = outcome.server_edit.is_some();
+            if let Some((r0, e0)) = lane.reference.filter(|_| !edited && !lane.edited) {
+                // Differences cancel the provider's fixed overhead.
+                let mut dr = real as f64 - r0 as f64;
+                let mut de = estimate as f64 - e0 as f64;
+                if de < 0.0 {
+                    (dr, de) = (-dr, -de);
+                }
+                if de > 0.0 && dr > 0.0 {
+                    let mcal = model_cal(lane.model.as_deref());
+                    let single = lane.marginal.or(mcal.marginal).unwrap_or(dr / de);
+                    learned.classes = lane.classes.learn_anchor(
+                        (e0, classes),
+                        real as f64 - r0 as f64,
+                        (&mcal.classes, single),
+                        (api, lane.model.as_deref()),
+                    );
+                    lane.marginal_real = lane.marginal_real * SESSION_DECAY + dr;
+                    lane.marginal_estimate = lane.marginal_estimate * SESSION_DECAY + de;
+                    if lane.marginal_estimate >= MIN_DELTA as f64 {
+                        lane.marginal = Some(
+                            (lane.marginal_real / lane.marginal_estimate)
+                                .clamp(RATIO_MIN, RATIO_MAX),
+                        );
                     }
-                    if let Some(a) = lane.anchor.filter(|_| !edited) {
-                        // Consecutive anchors: growth per turn between them.
-                        let turns = seq.saturating_sub(a.seq).max(1) as f64;
-                        let g = (real as f64 - a.real as f64) / turns;
-                        if g > 0.0 {
-                            lane.growth = Some(ewma(lane.growth, g, GROWTH_ALPHA));
-                        }
+                    if de >= MIN_DELTA as f64 {
+                        learned.marginal = Some((dr / de).clamp(RATIO_MIN, RATIO_MAX));
                     }
-                    lane.anchor = Some(Anchor {
-                        real,
-                        estimate,
-                        at_ms: wall_ms(),
-                        seq,
-                    });
-                    lane.reference = Some((real, estimate));
-                    lane.classes.rebase(*classes, estimate);
-                    lane.edited = edited;
-                    lane.fence = seq + 1;
                 }
             }
+            if let Some(a) = lane.anchor.filter(|_| !edited) {
+                // Consecutive anchors: growth per turn between them.
+                let turns = seq.saturating_sub(a.seq).max(1) as f64;
+                let g = (real as f64 - a.real as f64) / turns;
+                if g > 0.0 {
+                    lane.growth = Some(ewma(lane.growth, g, GROWTH_ALPHA));
+                }
+            }
+            lane.anchor = Some(Anchor {
+                real,
+                estimate,
+                at_ms: wall_ms(),
+                seq,
+            });
+            lane.reference = Some((real, estimate));
+            lane.classes.rebase(*classes, estimate);
+            lane.edited = edited;
+            lane.fence = seq + 1;
         }
         lane.state = lane.derive_state();
         learned
@@ -701,6 +746,7 @@ impl Session {
                 "calibration": (calibration * 10_000.0).round() / 10_000.0,
                 "classes": l.map_or_else(|| serde_json::json!({}), |l| l.classes.render()),
                 "anchor_losses": l.map_or(0, |l| l.anchor_losses),
+                "cache": l.map_or_else(|| LaneCache::default().render(), |l| l.cache.render()),
                 "last_seen": rfc3339(l.map_or(self.last_seen_ms, |l| l.last_seen_ms)),
             })
         };

@@ -65,6 +65,8 @@ pub struct Sessions {
     lanes_gauge: IntGauge,
     /// Lanes this store holds (its share of the process-wide gauge).
     lanes: AtomicI64,
+    /// Windows upstreams taught, by (upstream, model).
+    windows: crate::window_learned::Learned,
 }
 
 /// What this process learned of one model across sessions.
@@ -124,7 +126,13 @@ impl Sessions {
             gauges: State::ALL.map(|s| m.sessions.with_label_values(&[s.as_str()])),
             lanes_gauge: m.lanes.clone(),
             lanes: AtomicI64::new(0),
+            windows: Default::default(),
         }
+    }
+
+    /// The windows upstreams taught.
+    pub fn windows(&self) -> &crate::window_learned::Learned {
+        &self.windows
     }
 
     fn mono_ms(&self, now: Instant) -> u64 {
@@ -302,6 +310,7 @@ impl Sessions {
             classes,
             reset,
             window,
+            window_upstream: _,
             counted,
             continues,
             content,
@@ -337,6 +346,7 @@ impl Sessions {
                     cold: true,
                     compacted: false,
                     shared: false,
+                    prefix: None,
                 },
                 spent: 0,
                 key: None,
@@ -415,6 +425,7 @@ impl Sessions {
                 cold: b.cold,
                 compacted: b.compacted,
                 shared: false,
+                prefix: None,
             },
             spent,
             key: Some(key.into_owned()),
@@ -494,6 +505,7 @@ impl Sessions {
                 (ticket.estimate, ticket.projection, &ticket.classes),
                 outcome,
                 |m| self.model_cal(m),
+                ticket.prefix.as_deref(),
             );
             let after = s.state();
             let out = changed.then(|| Changed {

@@ -15,6 +15,7 @@
 //!   header, the ids agents send of their own accord, the fingerprint.
 //! - `lane.rs`: a session's record and its lanes, and the lane rule.
 //! - `calibration.rs`: a ratio per content class, fitted per lane and per model.
+//! - `cache.rs`: a lane's prompt-cache economics (shared prefix, busts).
 //! - `memory.rs`: the sessions this process holds.
 //! - `redis.rs`: the same, shared between replicas through Redis.
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -24,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::estimate::{Classes, Estimate};
 use crate::provider::{Api, Usage};
 
+pub mod cache;
 pub mod calibration;
 pub mod identity;
 pub mod lane;
@@ -146,6 +148,11 @@ pub struct RequestFacts<'a> {
     /// `x-context-reset: 1`.
     pub reset: bool,
     pub window: Option<u64>,
+    /// The upstream (`window_learned::upstream_id`) whose learned window
+    /// for the model may replace `window`: a shared backend may know one
+    /// this process has not learned yet. `None` when a `--context-window`
+    /// rule set `window`.
+    pub window_upstream: Option<String>,
     /// A provider counting endpoint's answer (`--exact-cold-start`).
     pub counted: Option<u64>,
     /// OpenAI Responses `previous_response_id`.
@@ -169,6 +176,7 @@ impl Default for RequestFacts<'_> {
             classes: Classes::default(),
             reset: false,
             window: None,
+            window_upstream: None,
             counted: None,
             continues: None,
             content: Content::default(),
@@ -364,6 +372,8 @@ pub struct Ticket {
     compacted: bool,
     /// Begun with a shared backend's record: its outcome is written back.
     shared: bool,
+    /// What was sent, as the prompt cache sees it (`cache.rs`).
+    prefix: Option<Box<cache::Prefix>>,
 }
 
 impl Ticket {
@@ -384,6 +394,13 @@ impl Ticket {
 
     pub fn model(&self) -> Option<&str> {
         self.model.as_deref()
+    }
+
+    /// What was sent, as the prompt cache sees it: compared, when its
+    /// response comes, with the lane's previous request.
+    pub fn set_prefix(&mut self, mut p: cache::Prefix) {
+        p.compacted = self.compacted;
+        self.prefix = Some(Box::new(p));
     }
 }
 
@@ -424,6 +441,9 @@ pub struct Outcome {
     /// The provider edited the context on its side (its count dropped
     /// while the request did not): re-anchor, learn nothing from it.
     pub server_edit: Option<u64>,
+    /// The provider refused the request as over its window and named the
+    /// prompt's size: a real count, which anchors the lane as usage would.
+    pub refused_prompt: Option<u64>,
 }
 
 /// An anchor: the real prompt count of a response and the estimate of the
@@ -471,8 +491,8 @@ pub fn rfc3339(ms: u64) -> String {
 }
 /// A [`Store::begin`] under way: done with memory (no future to drive,
 /// nothing allocated), a round trip to Redis otherwise.
-// `Ready` is the memory store's every request: moving its few hundred bytes
-// costs less than the allocation boxing it would make each time.
+// The memory arm is the one nearly every request takes: it holds its
+// answer in place rather than in a box of its own.
 #[allow(clippy::large_enum_variant)]
 pub enum Beginning<'a> {
     Ready(Option<Begun>),
@@ -563,6 +583,46 @@ impl Store {
     /// Trimming: the trimmed body, measured with the same ruler.
     pub fn reproject(&self, begun: &mut Begun, new_estimate: impl Into<Estimate>) {
         self.sessions().reproject(begun, new_estimate)
+    }
+
+    /// The windows upstreams taught (this process's, and what a shared
+    /// backend handed it).
+    pub fn windows(&self) -> &crate::window_learned::Learned {
+        self.sessions().windows()
+    }
+
+    /// An upstream refused a prompt as over `window` tokens for `model`:
+    /// remembered, and written to a shared backend for the other replicas.
+    pub fn learn_window(&self, upstream: &str, model: &str, window: u64) {
+        let before = self.windows().learn(upstream, model, window);
+        if before != Some(window) {
+            tracing::info!(
+                upstream,
+                model,
+                window,
+                before,
+                "context window learned from the provider's refusal"
+            );
+        }
+        if let Store::Redis(r) = self {
+            r.share_window(upstream, model, Some(window));
+        }
+    }
+
+    /// The provider accepted a prompt larger than the window it had
+    /// taught: the lesson is dropped (the table, or a flag, applies again).
+    pub fn forget_window(&self, upstream: &str, model: &str) {
+        if let Some(w) = self.windows().forget(upstream, model) {
+            tracing::info!(
+                upstream,
+                model,
+                window = w,
+                "learned context window dropped: the provider accepted more"
+            );
+            if let Store::Redis(r) = self {
+                r.share_window(upstream, model, None);
+            }
+        }
     }
 
     /// `GET /sessions/{key}`: the session of that key under `credential`,

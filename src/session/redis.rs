@@ -287,6 +287,8 @@ pub struct Begin {
     pub stored: Stored,
     /// Empty when `begin` was given no model.
     pub model: ModelCalibration,
+    /// The window an upstream taught for the model, when asked for.
+    pub window: Option<u64>,
 }
 
 /// What one response changes in Redis ([`RedisState::store`]).
@@ -367,6 +369,11 @@ fn session_keys(session_id: &str) -> [String; 3] {
 
 fn model_key(model: &str) -> String {
     format!("tidemark:v2:model:{{{}}}", id_part(model))
+}
+
+/// The field of a model's hash that holds the window `upstream` taught.
+fn window_field(upstream: &str) -> String {
+    format!("w:{}", id_part(upstream))
 }
 
 /// Every session id, by when it was last written.
@@ -476,6 +483,14 @@ fn parse_stored(rec: &Value, totals: &Value) -> Result<Stored, StateError> {
 }
 
 fn parse_begin(script: Value, model: Option<Value>) -> Result<Begin, StateError> {
+    let mut window = None;
+    let model = match model {
+        Some(Value::Array(mut m)) if m.len() == 3 + CLASSES => {
+            window = m.pop().as_ref().map(u64_of).transpose()?.filter(|w| *w > 0);
+            Some(Value::Array(m))
+        }
+        m => m,
+    };
     let Value::Array(items) = script else {
         return Err(StateError::Protocol("begin: expected an array"));
     };
@@ -499,7 +514,12 @@ fn parse_begin(script: Value, model: Option<Value>) -> Result<Begin, StateError>
         }
         Some(_) => return Err(StateError::Protocol("begin: model calibration shape")),
     };
-    Ok(Begin { seq, stored, model })
+    Ok(Begin {
+        seq,
+        stored,
+        model,
+        window,
+    })
 }
 
 impl RedisState {
@@ -546,8 +566,20 @@ impl RedisState {
     /// One round trip: the session's next sequence, its stored record and
     /// totals, and the model's calibration.
     pub async fn begin(&self, session_id: &str, model: Option<&str>) -> Result<Begin, StateError> {
+        self.begin_with_window(session_id, model, None).await
+    }
+
+    /// [`RedisState::begin`], and in the same round trip the window
+    /// `upstream` taught for the model, if any replica learned one.
+    pub async fn begin_with_window(
+        &self,
+        session_id: &str,
+        model: Option<&str>,
+        upstream: Option<&str>,
+    ) -> Result<Begin, StateError> {
         let keys = session_keys(session_id);
         let mkey = model.map(model_key);
+        let wfield = upstream.filter(|_| model.is_some()).map(window_field);
         let inner = &*self.inner;
         self.run(|mut conn| async move {
             let mut pipe = redis::pipe();
@@ -560,6 +592,10 @@ impl RedisState {
                 let cmd = pipe.cmd("HMGET").arg(k).arg("cold").arg("marginal");
                 for c in Class::ALL {
                     cmd.arg(class_field(c));
+                }
+                // The learned window last: present only when asked for.
+                if let Some(f) = &wfield {
+                    cmd.arg(f);
                 }
             }
             let mut out: Vec<Value> = match pipe.query_async(&mut conn).await {
@@ -734,6 +770,29 @@ impl RedisState {
                 hset.arg(f.as_str()).arg(format!("{v:?}"));
             }
             pipe.ignore();
+            pipe.cmd("PEXPIRE").arg(&key).arg(ms(MODEL_TTL)).ignore();
+            pipe.query_async::<()>(&mut conn).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Share (or, `None`, drop) the window `upstream` taught for `model`:
+    /// a field of the model's hash, beside its calibration.
+    pub async fn set_window(
+        &self,
+        model: &str,
+        upstream: &str,
+        window: Option<u64>,
+    ) -> Result<(), StateError> {
+        let key = model_key(model);
+        let field = window_field(upstream);
+        self.run(|mut conn| async move {
+            let mut pipe = redis::pipe();
+            match window {
+                Some(w) => pipe.cmd("HSET").arg(&key).arg(&field).arg(w).ignore(),
+                None => pipe.cmd("HDEL").arg(&key).arg(&field).ignore(),
+            };
             pipe.cmd("PEXPIRE").arg(&key).arg(ms(MODEL_TTL)).ignore();
             pipe.query_async::<()>(&mut conn).await?;
             Ok(())
@@ -1082,7 +1141,7 @@ impl Shared {
     /// One round trip for the session's order, record, totals and the
     /// model's calibration; this replica's copy takes them in, then
     /// projects. Redis away: projected from the copy alone (`local_state`).
-    pub async fn begin(&self, facts: RequestFacts<'_>) -> Begun {
+    pub async fn begin(&self, mut facts: RequestFacts<'_>) -> Begun {
         // The chain's links are this replica's: the session is found here.
         let resolved = self.local.resolve(
             facts.key.as_deref().map(std::borrow::Cow::Borrowed),
@@ -1094,8 +1153,23 @@ impl Shared {
             return self.local.begin_in_order(facts, None);
         };
         let sid = session_id(&facts.credential, &r.key);
-        match self.backend.begin(&sid, facts.model.as_deref()).await {
+        let begin = self.backend.begin_with_window(
+            &sid,
+            facts.model.as_deref(),
+            facts.window_upstream.as_deref(),
+        );
+        match begin.await {
             Ok(b) => {
+                // A window another replica learned from its upstream.
+                if let (Some(w), Some(up), Some(m)) =
+                    (b.window, &facts.window_upstream, &facts.model)
+                {
+                    if self.local.windows().learn(up, m, w) != Some(w) {
+                        tracing::info!(upstream = %up, model = %m, window = w,
+                            "context window learned by another replica");
+                    }
+                    facts.window = Some(w);
+                }
                 let (cred, model) = (facts.credential.clone(), facts.model.clone());
                 self.local.merge(
                     &r.key,
@@ -1197,6 +1271,23 @@ impl Shared {
                 credential: &credential,
             };
             let _ = backend.store(&sid, seq, write).await;
+        });
+    }
+
+    /// Write a learned window (or its removal) for the other replicas, off
+    /// the response path.
+    pub fn share_window(&self, upstream: &str, model: &str, window: Option<u64>) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (backend, upstream, model) = (
+            self.backend.clone(),
+            upstream.to_string(),
+            model.to_string(),
+        );
+        rt.spawn(async move {
+            // Failures are counted and logged by the backend.
+            let _ = backend.set_window(&model, &upstream, window).await;
         });
     }
 

@@ -53,6 +53,10 @@ use reply::Reply;
 /// Response header carrying the sim's own prompt count.
 pub const X_SIM_PROMPT_TOKENS: &str = "x-sim-prompt-tokens";
 
+/// Request header `x-sim-omit-usage: 1`: this one response reports no
+/// usage, as a provider's sometimes does (the demo's anchor-loss act).
+pub const X_SIM_OMIT_USAGE: &str = "x-sim-omit-usage";
+
 /// Which server the OpenAI chat path imitates: its usage details and its
 /// context-length behaviour.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -544,11 +548,18 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Resp {
         }
         n
     };
-    let call = Call {
+    let mut call = Call {
         query: query.as_deref(),
         gzip,
         ..Call::new(&sim, &path, cred, n)
     };
+    if parts
+        .headers
+        .get(X_SIM_OMIT_USAGE)
+        .is_some_and(|v| v.as_bytes() == b"1")
+    {
+        call.with_usage = false;
+    }
     let (resp, count) = match r {
         Route::Chat => with(openai_chat::complete(&call, &body)),
         Route::Messages => with(anthropic::complete(&call, &body)),

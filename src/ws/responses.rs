@@ -153,9 +153,8 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
             None => state.estimator.estimate(p, &view, model.as_deref()),
         },
     };
-    let window = model
-        .as_deref()
-        .and_then(|m| crate::window::window_for(&cfg.context_windows, m));
+    let upstream = cfg.upstream_for(&hs.path);
+    let (window, window_upstream) = proxy::window_of(&state, upstream, model.as_deref());
     let series = metrics::get().series(Api::OpenAiResponses.as_str(), model.as_deref());
     let cut_key = match cfg.on_over {
         OnOver::Trim => id
@@ -176,6 +175,7 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         classes: estimate.classes,
         reset: id.reset,
         window,
+        window_upstream,
         counted: None,
         continues: p.continues(&view),
         content: id.content.get(p, &view).unwrap_or_default(),
