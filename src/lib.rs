@@ -85,6 +85,7 @@ pub mod inject;
 pub mod inspect;
 pub mod metrics;
 pub mod page;
+pub mod otel;
 pub mod pick;
 pub mod pool;
 pub mod provider;

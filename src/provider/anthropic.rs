@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::{
-    count, field, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
+    GenAi, count, field, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
     Node, Observed, Part, Provider, ERROR, USAGE,
 };
 use crate::estimate::Unit;
@@ -17,6 +17,13 @@ pub struct Anthropic;
 impl Provider for Anthropic {
     fn api(&self) -> Api {
         Api::Anthropic
+    }
+    // Messages is a chat API.
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "chat",
+            provider: "anthropic",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with("/messages")

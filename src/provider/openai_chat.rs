@@ -2,7 +2,7 @@
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
 use super::{
-    count, field, first_valued, has_member, last_valued, openai_error_body, truthy, Api,
+    GenAi, count, field, first_valued, has_member, last_valued, openai_error_body, truthy, Api,
     CountedField, ErrorShape, Node, Observed, Part, Provider, Usage, ERROR, USAGE,
 };
 use crate::estimate::Unit;
@@ -13,6 +13,12 @@ pub struct OpenAiChat;
 impl Provider for OpenAiChat {
     fn api(&self) -> Api {
         Api::OpenAiChat
+    }
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "chat",
+            provider: "openai",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with("/chat/completions")
