@@ -38,6 +38,17 @@ impl Stop {
 }
 
 pub(super) fn spawn(cfg: OtlpConfig, client: Client, rx: Receiver<Box<Finished>>) -> Stop {
+    tracing::info!(
+        traces = cfg.traces.as_ref().map(|u| u.path()),
+        metrics = cfg.metrics.as_ref().map(|u| u.path()),
+        collector = cfg
+            .traces
+            .as_ref()
+            .or(cfg.metrics.as_ref())
+            .and_then(|u| u.authority())
+            .map(|a| a.host()),
+        "OpenTelemetry export on (OTLP/HTTP)"
+    );
     let (tx, stop) = oneshot::channel();
     let now = unix_nanos();
     let task = Task {
@@ -47,6 +58,7 @@ pub(super) fn spawn(cfg: OtlpConfig, client: Client, rx: Receiver<Box<Finished>>
         pending: Vec::new(),
         last_spans: Instant::now(),
         down: [false; 2],
+        refused: [None; 2],
         client,
         rx,
         cfg,
@@ -80,7 +92,7 @@ impl Signal {
 struct Sent {
     signal: Signal,
     items: u64,
-    result: Result<(), String>,
+    result: Result<(), Failure>,
 }
 
 struct Task {
@@ -94,26 +106,34 @@ struct Task {
     /// Spans waiting for their export, at most `max_queue`.
     pending: Vec<Span>,
     last_spans: Instant,
-    /// Per signal: the collector did not answer the last export (a WARN
-    /// was logged; the next success logs an INFO).
+    /// Per signal: its last export found no collector (an outage, said once).
     down: [bool; 2],
+    /// Per signal: the status its last export was refused with.
+    refused: [Option<u16>; 2],
 }
 
 impl Task {
     async fn run(mut self, mut stop: oneshot::Receiver<()>) {
+        // How often the queue is looked at: often enough that it does not
+        // fill between two looks at a busy proxy's rate (the request path
+        // never wakes this task: a wake per request would cost it a
+        // cross-thread signal), and more often while a backlog of full
+        // batches waits.
         let poll = self
             .cfg
             .span_delay
-            .min(Duration::from_millis(100))
+            .min(Duration::from_millis(50))
             .max(Duration::from_millis(5));
-        let mut tick = tokio::time::interval(poll);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut next_metrics = Instant::now() + self.cfg.metric_interval;
         let mut spans: Option<JoinHandle<Sent>> = None;
         let mut metrics: Option<JoinHandle<Sent>> = None;
         loop {
+            let wait = match self.pending.len() >= self.cfg.max_batch {
+                true => Duration::from_millis(5),
+                false => poll,
+            };
             let stopping = tokio::select! {
-                _ = tick.tick() => false,
+                _ = tokio::time::sleep(wait) => false,
                 _ = &mut stop => true,
             };
             let open = self.drain();
@@ -227,7 +247,7 @@ impl Task {
         &self,
         signal: Signal,
         body: Vec<u8>,
-    ) -> impl std::future::Future<Output = Result<(), String>> + Send + 'static {
+    ) -> impl std::future::Future<Output = Result<(), Failure>> + Send + 'static {
         let (url, headers) = match signal {
             Signal::Spans => (self.cfg.traces.clone(), &self.cfg.trace_headers),
             Signal::Metrics => (self.cfg.metrics.clone(), &self.cfg.metric_headers),
@@ -236,21 +256,25 @@ impl Task {
         let client = self.client.clone();
         let timeout = self.cfg.timeout;
         async move {
-            let url = url.ok_or("no endpoint")?;
+            let url = url.ok_or(Failure::Unreachable("no endpoint"))?;
             tokio::time::timeout(timeout, post(client, url, headers, body))
                 .await
-                .unwrap_or_else(|_| Err("timeout".to_string()))
+                .unwrap_or(Err(Failure::Unreachable("timeout")))
         }
     }
 
+    /// An export's end. An outage (the collector not answering) is said
+    /// once, however many exports and signals fail in it: a WARN when the
+    /// first fails while the collector was answering, an INFO when one
+    /// gets through again (the signals that share its collector are back
+    /// with it). An answer that refuses an export is not an outage: a WARN
+    /// when a signal's refusal changes, DEBUG while it repeats.
     fn outcome(&mut self, s: Sent) {
-        let down = &mut self.down[s.signal as usize];
-        let url = match s.signal {
-            Signal::Spans => self.cfg.traces.as_ref(),
-            Signal::Metrics => self.cfg.metrics.as_ref(),
-        };
+        let i = s.signal as usize;
+        let urls = [self.cfg.traces.as_ref(), self.cfg.metrics.as_ref()];
+        let authority = |u: Option<&Uri>| u.and_then(|u| u.authority()).cloned();
         // Where, without any userinfo or query a URL may carry.
-        let at = url.map(|u| {
+        let at = urls[i].map(|u| {
             format!(
                 "{}://{}{}",
                 u.scheme_str().unwrap_or("http"),
@@ -258,32 +282,62 @@ impl Task {
                 u.port().map(|p| format!(":{p}")).unwrap_or_default()
             ) + u.path()
         });
+        let was_down = self.down.iter().any(|d| *d);
         match s.result {
             Ok(()) => {
-                if *down {
-                    *down = false;
+                self.refused[i] = None;
+                for (j, d) in self.down.iter_mut().enumerate() {
+                    if j == i || authority(urls[j]) == authority(urls[i]) {
+                        *d = false;
+                    }
+                }
+                if was_down && !self.down.iter().any(|d| *d) {
                     tracing::info!(
-                        signal = s.signal.as_str(),
                         collector = at.as_deref(),
                         "OTLP collector answers again; export resumed"
                     );
                 }
             }
-            Err(e) => {
+            Err(Failure::Refused(status)) => {
                 dropped(s.signal, "export_failed", s.items);
-                if !*down {
-                    *down = true;
+                self.down[i] = false;
+                if self.refused[i].replace(status) == Some(status) {
+                    tracing::debug!(signal = s.signal.as_str(), status, "OTLP export refused");
+                } else {
                     tracing::warn!(
                         signal = s.signal.as_str(),
                         collector = at.as_deref(),
-                        error = %e,
-                        "OTLP export failed; telemetry is dropped (tidemark_otlp_dropped_total) \
-                         until the collector answers"
+                        status,
+                        "the OTLP collector refuses exports; telemetry is dropped \
+                         (tidemark_otlp_dropped_total)"
+                    );
+                }
+            }
+            Err(Failure::Unreachable(e)) => {
+                dropped(s.signal, "export_failed", s.items);
+                self.down[i] = true;
+                if was_down {
+                    tracing::debug!(signal = s.signal.as_str(), error = e, "OTLP export failed");
+                } else {
+                    tracing::warn!(
+                        signal = s.signal.as_str(),
+                        collector = at.as_deref(),
+                        error = e,
+                        "OTLP collector unreachable; telemetry is dropped \
+                         (tidemark_otlp_dropped_total) until it answers"
                     );
                 }
             }
         }
     }
+}
+
+/// Why an export failed.
+enum Failure {
+    /// No answer: connect, TLS, reset or timeout.
+    Unreachable(&'static str),
+    /// An answer, not 2xx.
+    Refused(u16),
 }
 
 fn dropped(signal: Signal, reason: &str, n: u64) {
@@ -300,7 +354,7 @@ async fn post(
     url: Uri,
     headers: Vec<(HeaderName, HeaderValue)>,
     body: Vec<u8>,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let mut req = Request::new(
         Full::new(Bytes::from(body))
             .map_err(|e| match e {})
@@ -329,12 +383,12 @@ async fn post(
     let resp = client
         .request(req)
         .await
-        .map_err(|e| e.metric_kind().to_string())?;
+        .map_err(|e| Failure::Unreachable(e.metric_kind()))?;
     let status = resp.status();
     // Read to its end, so the connection is reused; an answer is small.
     let _ = Limited::new(resp.into_body(), 64 * 1024).collect().await;
     match status.is_success() {
         true => Ok(()),
-        false => Err(format!("HTTP {}", status.as_u16())),
+        false => Err(Failure::Refused(status.as_u16())),
     }
 }
