@@ -360,6 +360,31 @@ async fn a_scripted_session_exports_spans_and_metrics_with_the_providers_usage()
         attr(&spans[0], "gen_ai.request.max_tokens"),
         Some(json!(64))
     );
+    // The lane, as the session object names it.
+    let (_, body) = get(&client_h1(), &proxy.admin_url(&format!("/sessions/{KEY}"))).await;
+    let session: Value = serde_json::from_slice(&body).unwrap();
+    let lane_of = |model: &str| {
+        session["lanes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["model"] == model)
+            .map(|l| l["id"].clone())
+    };
+    assert!(lane_of("gpt-4o-mini").is_some(), "{session:#}");
+    assert_eq!(attr(&spans[0], "tidemark.lane"), lane_of("gpt-4o-mini"));
+    assert_eq!(
+        attr(&spans[4], "tidemark.lane"),
+        lane_of("claude-sonnet-4-5")
+    );
+    assert_ne!(
+        attr(&spans[0], "tidemark.lane"),
+        attr(&spans[4], "tidemark.lane")
+    );
+    assert_eq!(
+        attr(&spans[0], "tidemark.session.key_source"),
+        Some(json!("header"))
+    );
     assert_eq!(
         attr(&spans[0], "tidemark.projection.src"),
         Some(json!("estimate"))

@@ -180,8 +180,11 @@ pub(super) fn span(f: &Finished) -> Span {
             any_value::Value::DoubleValue(f.projection as f64 / w as f64),
         ));
     }
-    if let Some(l) = &f.lane {
-        a.push(s("tidemark.lane", &**l));
+    if let Some(l) = f.lane {
+        a.push(s("tidemark.lane", crate::session::lane_hex(l)));
+    }
+    if let Some(k) = f.key_source {
+        a.push(s("tidemark.session.key_source", k));
     }
     if f.status > 0 {
         a.push(int("http.response.status_code", f.status as u64));

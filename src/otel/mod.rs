@@ -157,7 +157,7 @@ pub fn end(otel: Option<&Exporter>, span: Option<Box<Open>>, o: Outcome<'_>) {
     };
     let b = o.begun;
     let duration = open.start.elapsed();
-    let (conversation, lane) = conversation(b);
+    let conversation = conversation(b);
     let error = match (o.error, o.status) {
         (Some(kind), _) => Some(ErrorType::Own(kind)),
         (None, s) if s >= 400 => Some(ErrorType::Status(s)),
@@ -169,8 +169,9 @@ pub fn end(otel: Option<&Exporter>, span: Option<Box<Open>>, o: Outcome<'_>) {
         end_unix_nano: open.start_unix_nano + duration.as_nanos() as u64,
         duration: duration.as_secs_f64(),
         model: b.ticket.model().map(Into::into),
+        lane: conversation.as_ref().map(|_| b.ticket.lane()),
+        key_source: b.source.map(|s| s.as_str()),
         conversation,
-        lane,
         projection: b.projection.tokens,
         src: b.projection.src.as_str(),
         window: b.projection.window,
@@ -182,17 +183,13 @@ pub fn end(otel: Option<&Exporter>, span: Option<Box<Open>>, o: Outcome<'_>) {
     }));
 }
 
-/// The session a span names, and its lane: the session key with its
-/// credential's hash, as the shared state names a session
+/// The session a span names: the session key with its credential's hash
 /// (`credential:key`), to be hashed on the exporter's side (never the key
-/// itself on the wire). The lane is the merge's to fill once sessions have
-/// lanes.
-fn conversation(b: &Begun) -> (Option<Box<str>>, Option<Box<str>>) {
-    let id = b
-        .ticket
+/// itself on the wire).
+fn conversation(b: &Begun) -> Option<Box<str>> {
+    b.ticket
         .session()
-        .map(|(credential, key)| format!("{credential}:{key}").into_boxed_str());
-    (id, None)
+        .map(|(credential, key)| format!("{credential}:{key}").into_boxed_str())
 }
 
 /// Why a span is an error (`error.type`).
@@ -214,7 +211,10 @@ struct Finished {
     model: Option<Box<str>>,
     /// `credential:key`, hashed before it leaves.
     conversation: Option<Box<str>>,
-    lane: Option<Box<str>>,
+    /// The lane's id in its session (as `GET /sessions` shows it).
+    lane: Option<u64>,
+    /// How the session key was found (`header`, `agent`, `chain`, `fingerprint`).
+    key_source: Option<&'static str>,
     projection: u64,
     src: &'static str,
     window: Option<u64>,

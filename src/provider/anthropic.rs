@@ -6,8 +6,8 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::{
-    GenAi, count, field, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
-    Node, Observed, Part, Provider, ERROR, USAGE,
+    count, field, first_valued, has_member, session_budget_message, Api, CountedField, ErrorShape,
+    GenAi, Node, Observed, Part, Provider, ERROR, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;

@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    GenAi, count, field, has_member, Api, CountedField, ErrorShape, Node, Observed, Part, Provider, Usage,
-    ERROR, USAGE_METADATA,
+    count, field, has_member, Api, CountedField, ErrorShape, GenAi, Node, Observed, Part, Provider,
+    Usage, ERROR, USAGE_METADATA,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;

@@ -3,7 +3,7 @@
 use serde_json::Value;
 
 use super::{
-    GenAi, count, field, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Part,
+    count, field, has_member, truthy, Api, CountedField, ErrorShape, GenAi, Node, Observed, Part,
     Provider, Usage, ERROR, EVAL_COUNT,
 };
 use crate::estimate::Unit;

@@ -2,8 +2,8 @@
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
 use super::{
-    GenAi, count, field, first_valued, has_member, last_valued, openai_error_body, truthy, Api,
-    CountedField, ErrorShape, Node, Observed, Part, Provider, Usage, ERROR, USAGE,
+    count, field, first_valued, has_member, last_valued, openai_error_body, truthy, Api,
+    CountedField, ErrorShape, GenAi, Node, Observed, Part, Provider, Usage, ERROR, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;

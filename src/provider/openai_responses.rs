@@ -6,8 +6,8 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::{
-    GenAi, count, field, has_member, openai_error_body, Api, CountedField, ErrorShape, Node, Observed,
-    Part, Provider, Usage, ERROR, RESPONSE_CREATED, USAGE,
+    count, field, has_member, openai_error_body, Api, CountedField, ErrorShape, GenAi, Node,
+    Observed, Part, Provider, Usage, ERROR, RESPONSE_CREATED, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
