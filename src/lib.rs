@@ -67,7 +67,11 @@
 //!    compressed it anyway (`usage.rs::BodyDecoder`).
 //! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
 //!    hang-up, the session is anchored (or the loss is made loud) and the drift
-//!    is exported (`metrics.rs`, every metric name in one file).
+//!    is exported (`metrics.rs`, every metric name in one file). With
+//!    `--otlp-endpoint`, the request's span (begun at step 2 from the
+//!    client's `traceparent`, named as the parent in the upstream request's)
+//!    is pushed onto a bounded queue that one exporter task drains into
+//!    OTLP spans and GenAI metrics (`otel/`).
 //!
 //! The admin listener (`server.rs::admin`) answers `/metrics` and
 //! `/sessions`, and at `/` a live sessions page (`page.rs`, `page.html`).

@@ -554,7 +554,7 @@ async fn api_request(
     let api = p.api();
     let cfg = &state.config;
     let (mut parts, body) = req.into_parts();
-    let span = otel::start(state.otel.as_ref(), &parts.headers, api, start);
+    let span = otel::start(state.otel.as_ref(), &parts.headers, api, Some(start));
 
     // inspect: read the body whole, capped.
     let too_large = parts

@@ -89,14 +89,15 @@ pub struct Open {
 
 /// start: a request on a recognised API (or a WebSocket turn) comes in;
 /// `None` when export is off. `start` is when the request came in (the
-/// duration runs from there).
+/// duration runs from there), `None` for now (read only when export is on).
 pub fn start(
     otel: Option<&Exporter>,
     headers: &HeaderMap,
     api: Api,
-    start: Instant,
+    start: Option<Instant>,
 ) -> Option<Box<Open>> {
     let otel = otel?;
+    let start = start.unwrap_or_else(Instant::now);
     let parent = context::parent(headers);
     let (trace_id, parent_id, sampled) = match &parent {
         Some(p) => (p.trace_id, Some(p.span_id), p.sampled),

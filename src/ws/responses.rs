@@ -146,12 +146,7 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         });
     }
     let cfg = &state.config;
-    let span = crate::otel::start(
-        state.otel.as_ref(),
-        &hs.headers,
-        Api::OpenAiResponses,
-        std::time::Instant::now(),
-    );
+    let span = crate::otel::start(state.otel.as_ref(), &hs.headers, Api::OpenAiResponses, None);
     let model = p.model(&hs.path, &view);
     let mut id = proxy::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
     let estimate = match proxy::estimate(&state, p, &view, Some(event.clone()), model.as_deref()) {
