@@ -2,12 +2,14 @@
 //! (a pass-through proxy that parses nothing: the floor for any proxy), all
 //! measured in one run on this machine.
 //!
-//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off] [--scenario stream] [--repeat 5] [--warmup 0.3] [--session-per-conn] [--workers N] [--nginx-one-process]
+//!     cargo run --release --example bench [-- --secs 3] [--only tidemark,tap-off,otel-on] [--scenario stream] [--repeat 5] [--warmup 0.3] [--session-per-conn] [--workers N] [--nginx-one-process]
 //!
 //! Columns: `direct`; `nginx`; `tidemark`; `hyper`, a bare hyper proxy on
 //! hyper's own pooled client (what a proxy built the obvious way with hyper
 //! reaches); `tap-off`, tidemark with the hidden `--no-tap` on the two API
-//! rows, so the tap's cost is measured in the same run. `proxy us/req` is
+//! rows, so the tap's cost is measured in the same run; `otel-on`, tidemark
+//! exporting OpenTelemetry spans and metrics (`--otlp-endpoint`) to an
+//! in-process collector that reads and discards them, on the two API rows. `proxy us/req` is
 //! the proxy's own CPU time per request (its threads or nginx's worker
 //! processes, from /proc): steadier than requests/s on a shared machine.
 //! `of: user` is its user-space part: the kernel's part (sockets, wakeups)
@@ -59,6 +61,30 @@ fn stream_chunks(n: usize) -> Vec<Bytes> {
         .collect();
     v.push(Bytes::from_static(b"data: {\"id\":\"chatcmpl-b\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"gpt-4o\",\"choices\":[],\"usage\":{\"prompt_tokens\":1000,\"completion_tokens\":20,\"total_tokens\":1020}}\n\ndata: [DONE]\n\n"));
     v
+}
+
+/// An idle OTLP collector: every export is read whole and answered 200
+/// with nothing, as a collector that keeps up does.
+async fn idle_collector() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let svc = service_fn(|req: Request<Incoming>| async move {
+                    let _ = req.into_body().collect().await;
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    addr
 }
 
 /// The in-process upstream: `/fast` non-stream, `/stream` 20 chunks at once,
@@ -479,6 +505,10 @@ fn main() {
     let px_addr = start_tidemark(&[]);
     // The same proxy with usage reading off (hidden `--no-tap`): what the tap costs.
     let notap_addr = start_tidemark(&["--no-tap"]);
+    // The same proxy exporting spans and metrics to an idle collector: what
+    // OpenTelemetry export costs.
+    let collector = format!("http://{}", up_rt.block_on(idle_collector()));
+    let otel_addr = start_tidemark(&["--otlp-endpoint", &collector]);
     let ngx = nginx(up);
     let bare = px_rt.block_on(bare_proxy(up));
 
@@ -493,6 +523,7 @@ fn main() {
     ];
     targets.push(("hyper", format!("http://{bare}")));
     targets.push(("tap-off", format!("http://{notap_addr}")));
+    targets.push(("otel-on", format!("http://{otel_addr}")));
     if let Some((_, port, _)) = &ngx {
         targets.insert(1, ("nginx", format!("http://127.0.0.1:{port}")));
     } else {
@@ -590,7 +621,7 @@ fn main() {
             let turn = round % order.len();
             order.rotate_left(turn);
             for (tname, base) in order {
-                if *tname == "tap-off" && !name.ends_with("32 conc") {
+                if matches!(*tname, "tap-off" | "otel-on") && !name.ends_with("32 conc") {
                     continue;
                 }
                 gen.block_on(load(
@@ -659,6 +690,26 @@ fn main() {
         // to back), then the median: less moved by the machine's drift than
         // the two medians' ratio, printed next to it.
         let cells = |t: &str| runs.iter().find(|(n, _)| *n == t).map(|(_, c)| c);
+        let paired = |with: &str, without: &str| {
+            cells(with).zip(cells(without)).map(|(on, off)| {
+                let mut lost: Vec<f64> = on
+                    .iter()
+                    .zip(off)
+                    .map(|((a, _), (b, _))| 1.0 - a.rps / b.rps)
+                    .collect();
+                let mut cpu: Vec<f64> = on
+                    .iter()
+                    .zip(off)
+                    .filter_map(|((_, a), (_, b))| Some(a.as_ref()?.0 - b.as_ref()?.0))
+                    .collect();
+                lost.sort_by(f64::total_cmp);
+                cpu.sort_by(f64::total_cmp);
+                (lost[lost.len() / 2], cpu.get(cpu.len() / 2).copied(), lost)
+            })
+        };
+        // OpenTelemetry export's cost, the same way: `otel-on` against
+        // `tidemark` (export off), round by round.
+        let otel_paired = paired("otel-on", "tidemark");
         let tap_paired = cells("tidemark").zip(cells("tap-off")).map(|(on, off)| {
             let mut lost: Vec<f64> = on
                 .iter()
@@ -751,6 +802,20 @@ fn main() {
             let all: Vec<String> = all.iter().map(|l| format!("{:.1}", l * 100.0)).collect();
             println!(
                 "{:<28} paired by round: median {:.1}% fewer requests/s, {} us more CPU per request (sorted: {})",
+                "",
+                lost * 100.0,
+                cpu.map_or("-".into(), |c| format!("{:+.1}", c * 1e6)),
+                all.join(" ")
+            );
+        }
+        if let Some((lost, cpu, all)) = &otel_paired {
+            let all: Vec<String> = all.iter().map(|l| format!("{:.1}", l * 100.0)).collect();
+            let dropped = tidemark::metrics::get()
+                .otlp_dropped
+                .with_label_values(&["spans", "queue_full"])
+                .get();
+            println!(
+                "{:<28} OpenTelemetry export on vs off, paired by round: median {:.1}% fewer requests/s, {} us more CPU per request (sorted: {}); spans dropped so far: {dropped}",
                 "",
                 lost * 100.0,
                 cpu.map_or("-".into(), |c| format!("{:+.1}", c * 1e6)),

@@ -35,14 +35,16 @@ apt_install() {
     as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-# The official SDKs, as clients of the end-to-end policy tests, in a
+# The official SDKs, as clients of the end-to-end policy tests, and the
+# official OTLP protobuf definitions, which the OpenTelemetry tests'
+# collector (tests/otel/collector.py) decodes with, in a
 # virtual environment of the project's own: stock Debian 12 and Ubuntu 24.04
 # refuse `pip install` outside one (PEP 668) and come without python3-venv.
 # The tests run this interpreter (TIDEMARK_PYTHON; tests/sdk_python.rs
 # falls back to target/venv/bin/python, then python3). `realtime` brings
 # the websockets client of `client.responses.connect()` (tests/agents.rs).
 VENV=target/venv
-if ! "$VENV/bin/python" -c 'import openai, anthropic, websockets' 2>/dev/null; then
+if ! "$VENV/bin/python" -c 'import openai, anthropic, websockets, opentelemetry.proto' 2>/dev/null; then
     command -v python3 >/dev/null || apt_install python3
     if ! python3 -m venv "$VENV" 2>/dev/null; then
         # Without ensurepip (python3-venv) venv fails half-way: start over.
@@ -50,7 +52,7 @@ if ! "$VENV/bin/python" -c 'import openai, anthropic, websockets' 2>/dev/null; t
         apt_install python3-venv
         python3 -m venv "$VENV"
     fi
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check 'openai[realtime]' anthropic
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check 'openai[realtime]' anthropic opentelemetry-proto
 fi
 export TIDEMARK_PYTHON="$PWD/$VENV/bin/python"
 # A real Redis for the shared-state tests.

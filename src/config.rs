@@ -234,6 +234,11 @@ pub struct Flags {
     /// Log format; logs never contain bodies, credentials or session content.
     #[arg(long, env = "TIDEMARK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    /// Export OpenTelemetry GenAI metrics and spans over OTLP/HTTP to this
+    /// collector (base URL, e.g. http://localhost:4318); without it,
+    /// OTEL_EXPORTER_OTLP_ENDPOINT and the other OTEL_* variables are read.
+    #[arg(long, env = "TIDEMARK_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Parse `500ms`, `10s`, `5m`, `2h`, `1d` (a bare number is seconds).
@@ -368,6 +373,9 @@ pub struct Config {
     pub shutdown_grace: Duration,
     pub state: String,
     pub log_format: LogFormat,
+    /// OTLP export, when an endpoint is configured (`--otlp-endpoint` or
+    /// the `OTEL_*` variables).
+    pub otlp: Option<crate::otel::OtlpConfig>,
 }
 
 /// The routes every install starts with; `--route` adds to them, and a route
@@ -477,7 +485,12 @@ impl Flags {
                 self.state
             ));
         }
+        let otlp = crate::otel::OtlpConfig::resolve(
+            self.otlp_endpoint.as_deref(),
+            &crate::otel::config::process_env,
+        )?;
         Ok(Config {
+            otlp,
             listen: self.listen,
             admin_listen: self.admin_listen,
             admin_token,

@@ -82,7 +82,11 @@
 //!    hang-up, the session is anchored (or the loss is made loud), a
 //!    refusal's window is learned and its prompt count anchors, a change
 //!    of the cached prefix is counted as a bust, and the drift is exported
-//!    (`metrics.rs`, every metric name in one file).
+//!    (`metrics.rs`, every metric name in one file). With
+//!    `--otlp-endpoint`, the request's span (begun at step 2 from the
+//!    client's `traceparent`, named as the parent in the upstream request's)
+//!    is pushed onto a bounded queue that one exporter task drains into
+//!    OTLP spans and GenAI metrics (`otel/`).
 //!
 //! The admin listener (`server.rs::admin`) answers `/metrics` and
 //! `/sessions`, and at `/` a live sessions page (`page.rs`, `page.html`).
@@ -100,6 +104,7 @@ pub mod h1;
 pub mod inject;
 pub mod inspect;
 pub mod metrics;
+pub mod otel;
 pub mod page;
 pub mod pick;
 pub mod pool;

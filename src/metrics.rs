@@ -53,6 +53,10 @@ pub struct Metrics {
     pub up: Gauge,
     /// Open proxied WebSockets, by `api` (`openai-responses`, or `none`).
     pub websockets: IntGaugeVec,
+    /// OpenTelemetry items not delivered, by `signal` (`spans`, `metrics`)
+    /// and `reason` (`queue_full`, `export_failed`): what an unreachable
+    /// or slow collector costs.
+    pub otlp_dropped: IntCounterVec,
     /// Every family: (name, help, type), so that one with no series yet
     /// (the `[api, model]` families before a request) is still exported.
     families: Vec<(&'static str, &'static str, &'static str)>,
@@ -76,6 +80,13 @@ pub const LIMITS: [&str; 5] = [
     "header_timeout",
     "headers",
     "connections",
+];
+
+/// Every (`signal`, `reason`) of `tidemark_otlp_dropped_total`.
+pub const OTLP_DROPS: [(&str, &str); 3] = [
+    ("spans", "queue_full"),
+    ("spans", "export_failed"),
+    ("metrics", "export_failed"),
 ];
 
 /// Every `api` label value: the five APIs' names and `other`.
@@ -429,6 +440,12 @@ impl Metrics {
                 "requests refused by a tidemark limit",
                 &["limit"],
             ),
+            otlp_dropped: counter(
+                r,
+                "tidemark_otlp_dropped_total",
+                "OpenTelemetry spans and metric points not delivered, by signal and reason",
+                &["signal", "reason"],
+            ),
             state_errors,
             up,
             websockets,
@@ -452,6 +469,9 @@ impl Metrics {
         }
         for limit in LIMITS {
             m.limits_hit.with_label_values(&[limit]);
+        }
+        for (signal, reason) in OTLP_DROPS {
+            m.otlp_dropped.with_label_values(&[signal, reason]);
         }
         m
     }

@@ -25,6 +25,7 @@ use crate::config::{Config, OnOver, Upstream};
 use crate::estimate::{Estimate, Estimator};
 use crate::inspect::RequestView;
 use crate::metrics;
+use crate::otel;
 use crate::provider::{self, Api, ErrorShape, Provider};
 use crate::session::cache::Prefix;
 use crate::session::identity::{self, asking, credential_hash, ContentOnce};
@@ -49,6 +50,8 @@ pub struct State {
     /// same place and provider prompt caches survive. Keyed by credential and
     /// session key; bounded by `--max-sessions`.
     pub cuts: DashMap<String, Cut>,
+    /// OpenTelemetry export (`--otlp-endpoint`); `None`: off.
+    pub otel: Option<crate::otel::Exporter>,
 }
 
 /// One worker thread's handle on the shared [`State`], cloned for each
@@ -100,7 +103,13 @@ impl State {
             },
             &config.state,
         )?;
+        // Its own client: the same TLS settings, a pool of its own.
+        let otel = match config.otlp.clone() {
+            Some(o) => Some(crate::otel::Exporter::start(o, upstream::client(&config)?)),
+            None => None,
+        };
         Ok(State {
+            otel,
             client,
             estimator: Estimator::new(ESTIMATE_CACHE_BYTES),
             store,
@@ -273,6 +282,8 @@ struct Inspected {
     model: Option<String>,
     /// When the request came in: tidemark's own answers are timed from here.
     start: Instant,
+    /// Its OpenTelemetry span, when export is on.
+    span: Option<Box<otel::Open>>,
 }
 
 /// The spine. Every request passes here, top to bottom.
@@ -549,7 +560,7 @@ async fn api_request(
     let api = p.api();
     let cfg = &state.config;
     let (mut parts, body) = req.into_parts();
-    let path = parts.uri.path();
+    let span = otel::start(state.otel.as_ref(), &parts.headers, api, Some(start));
 
     // inspect: read the body whole, capped.
     let too_large = parts
@@ -593,6 +604,10 @@ async fn api_request(
         return Box::pin(forward_unread(state, parts, body, upstream, p, start)).await;
     };
 
+    // Every upstream request made from here on (the request, a retry, a
+    // count) names tidemark's span as its parent.
+    otel::inject(&span, &mut parts.headers);
+    let path = parts.uri.path();
     let query = parts.uri.query();
     let stream = p.is_stream(path, query, &view);
 
@@ -713,6 +728,7 @@ async fn api_request(
         cut: 0,
         model,
         start,
+        span,
     };
 
     // policy: session budget, then the context budget.
@@ -1441,6 +1457,18 @@ fn reject(
         resp.status(),
         ins.start,
     );
+    otel::end(
+        state.otel.as_ref(),
+        ins.span,
+        otel::Outcome {
+            begun: &ins.begun,
+            max_output: ins.max_output,
+            usage: &Default::default(),
+            status: code,
+            failed: true,
+            error: Some(err.kind()),
+        },
+    );
     state.store.finish(
         ins.begun.ticket,
         Outcome {
@@ -1468,6 +1496,18 @@ fn respond_buffered(
         &ins.series.model,
         resp.status(),
         ins.start,
+    );
+    otel::end(
+        state.otel.as_ref(),
+        ins.span,
+        otel::Outcome {
+            begun: &ins.begun,
+            max_output: ins.max_output,
+            usage: &Default::default(),
+            status: code,
+            failed: true,
+            error: None,
+        },
     );
     state.store.finish(
         ins.begun.ticket,
@@ -1520,6 +1560,7 @@ fn recorder(
                 }
             }
         }
+        let span = (ins.span, ins.max_output);
         record(
             &state,
             ins.series,
@@ -1528,14 +1569,16 @@ fn recorder(
             status,
             completed,
             observed,
+            span,
         );
     })
 }
 
 /// record: what the provider reported of one request (a response, or a
 /// WebSocket turn's terminal event) — the drift exported, the session told
-/// (anchored, or the loss made loud). `completed`: the response ran to its
-/// end (a 2xx that ends without usage is then counted missing).
+/// (anchored, or the loss made loud), the span ended. `completed`: the
+/// response ran to its end (a 2xx that ends without usage is then counted
+/// missing). `span`: the request's span and its max output tokens.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn record(
     state: &State,
@@ -1545,6 +1588,7 @@ pub(crate) fn record(
     status: u16,
     completed: bool,
     observed: crate::provider::Observed,
+    (span, max_output): (Option<Box<otel::Open>>, Option<u64>),
 ) {
     let usage = observed.usage;
     let ok = (200..300).contains(&status);
@@ -1578,6 +1622,15 @@ pub(crate) fn record(
         s.output_tokens().inc_by(o);
     }
     let completed = (completed && !failed) || usage.has_context();
+    let outcome = otel::Outcome {
+        begun: &begun,
+        max_output,
+        usage: &usage,
+        status,
+        failed: !completed,
+        error: None,
+    };
+    otel::end(state.otel.as_ref(), span, outcome);
     state.store.finish(
         begun.ticket,
         Outcome {

@@ -142,6 +142,11 @@ pub async fn run(
     if over {
         tracing::warn!("shutdown grace period over; closed the remaining connections");
     }
+    // What the last requests recorded goes to the collector before the
+    // process ends (bounded: a collector that does not answer waits no more).
+    if let Some(otel) = &state.otel {
+        otel.shutdown(Duration::from_secs(5)).await;
+    }
     let _ = stop_tx.send(true);
     let _ = sweeper.await;
     let _ = admin_task.await;

@@ -264,13 +264,7 @@ impl Estimator {
                     let c = c.or_else(|| {
                         self.unit_keyed(api, enc, model, field.unit, key, el.get(), &mut unbounded)
                     });
-                    f(
-                        field,
-                        *el,
-                        c.map_or(0, |c| c.tokens()),
-                        key,
-                        &rekey,
-                    );
+                    f(field, *el, c.map_or(0, |c| c.tokens()), key, &rekey);
                 }
                 continue;
             }
@@ -284,13 +278,7 @@ impl Estimator {
             let key = unit_key(enc, unit, images, raw.get());
             let c = self.unit_keyed(api, enc, model, unit, key, raw.get(), &mut unbounded);
             let rekey = |b: &[u8]| unit_key_bytes(enc, unit, images, b);
-            f(
-                field,
-                raw,
-                c.map_or(0, |c| c.tokens()),
-                key,
-                &rekey,
-            );
+            f(field, raw, c.map_or(0, |c| c.tokens()), key, &rekey);
         }
     }
 

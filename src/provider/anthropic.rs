@@ -7,8 +7,8 @@ use serde_json::Value;
 
 use super::{
     count, error_object, field, first_valued, has_member, number_after, session_budget_message,
-    Api, ContextError, CountedField, ErrorShape, Node, Observed, Part, PromptCache, Provider,
-    ERROR, USAGE,
+    Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed, Part, PromptCache,
+    Provider, ERROR, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -18,6 +18,13 @@ pub struct Anthropic;
 impl Provider for Anthropic {
     fn api(&self) -> Api {
         Api::Anthropic
+    }
+    // Messages is a chat API.
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "chat",
+            provider: "anthropic",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with("/messages")

@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use super::{
-    count, field, has_member, Api, ContextError, CountedField, ErrorShape, Node, Observed, Part,
-    PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
+    count, field, has_member, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
+    Part, PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -15,6 +15,13 @@ pub struct Gemini;
 impl Provider for Gemini {
     fn api(&self) -> Api {
         Api::Gemini
+    }
+    // `generateContent` on the Gemini (AI Studio) API.
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "generate_content",
+            provider: "gcp.gemini",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with(":generateContent") || path.ends_with(":streamGenerateContent")

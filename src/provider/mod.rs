@@ -61,6 +61,15 @@ pub fn for_path(path: &str) -> Option<&'static dyn Provider> {
     ALL.iter().copied().find(|p| p.matches_path(path))
 }
 
+/// An API's names in the OpenTelemetry GenAI semantic conventions: the
+/// operation (one of the conventions' well-known values) and the provider
+/// (a well-known value where one fits, else the conventions allow our own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenAi {
+    pub operation: &'static str,
+    pub provider: &'static str,
+}
+
 /// Token usage as one response reported it. `None` is "not reported", never 0.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
@@ -226,6 +235,10 @@ pub struct Observed {
 
 pub trait Provider: Send + Sync + 'static {
     fn api(&self) -> Api;
+
+    /// How the OpenTelemetry GenAI conventions name this API's calls
+    /// (`gen_ai.operation.name`, `gen_ai.provider.name`).
+    fn genai(&self) -> GenAi;
 
     /// Does a request path (no query) belong to this API?
     fn matches_path(&self, path: &str) -> bool;

@@ -3,7 +3,7 @@
 use serde_json::Value;
 
 use super::{
-    count, field, has_member, truthy, Api, CountedField, ErrorShape, Node, Observed, Part,
+    count, field, has_member, truthy, Api, CountedField, ErrorShape, GenAi, Node, Observed, Part,
     PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
 };
 use crate::estimate::Unit;
@@ -14,6 +14,13 @@ pub struct Ollama;
 impl Provider for Ollama {
     fn api(&self) -> Api {
         Api::Ollama
+    }
+    // Not among the well-known providers: its own name.
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "chat",
+            provider: "ollama",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with("/api/chat")

@@ -3,8 +3,8 @@
 
 use super::{
     count, error_object, field, first_valued, has_member, last_valued, number_after,
-    openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, Node, Observed, Part,
-    PromptCache, Provider, Usage, ERROR, USAGE,
+    openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
+    Part, PromptCache, Provider, Usage, ERROR, USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -14,6 +14,12 @@ pub struct OpenAiChat;
 impl Provider for OpenAiChat {
     fn api(&self) -> Api {
         Api::OpenAiChat
+    }
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "chat",
+            provider: "openai",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with("/chat/completions")

@@ -6,8 +6,9 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::{
-    count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape, Node,
-    Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED, USAGE,
+    count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape,
+    GenAi, Node, Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED,
+    USAGE,
 };
 use crate::estimate::Unit;
 use crate::inspect::RequestView;
@@ -26,6 +27,13 @@ const RESPONSE_EVENTS: &[&str] = &[
 impl Provider for OpenAiResponses {
     fn api(&self) -> Api {
         Api::OpenAiResponses
+    }
+    // The conventions name no operation of its own for Responses.
+    fn genai(&self) -> GenAi {
+        GenAi {
+            operation: "chat",
+            provider: "openai",
+        }
     }
     fn matches_path(&self, path: &str) -> bool {
         path.ends_with("/responses")

@@ -111,6 +111,8 @@ pub struct Turn {
     max_output: Option<u64>,
     /// The trim's cut key (credential and session key) with `--on-over trim`.
     cut_key: Option<String>,
+    /// Its OpenTelemetry span (parented by the handshake's `traceparent`).
+    span: Option<Box<crate::otel::Open>>,
 }
 
 /// What a client `response.create` starts.
@@ -144,6 +146,7 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         });
     }
     let cfg = &state.config;
+    let span = crate::otel::start(state.otel.as_ref(), &hs.headers, Api::OpenAiResponses, None);
     let model = p.model(&hs.path, &view);
     let mut id = proxy::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
     let estimate = match proxy::estimate(&state, p, &view, Some(event.clone()), model.as_deref()) {
@@ -201,6 +204,7 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         stream,
         max_output: p.max_output_tokens(&view),
         cut_key,
+        span,
     })))
 }
 
@@ -215,6 +219,7 @@ pub fn end_turn(state: &Local, turn: Turn, status: u16, completed: bool, observe
         status,
         completed,
         observed,
+        (turn.span, turn.max_output),
     );
 }
 
