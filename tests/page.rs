@@ -453,6 +453,8 @@ async fn page_without_javascript_and_escaping() {
     busted["cache"] = json!({"hit_ratio": 0.873, "busts": 2, "invalidated_tokens": 14203});
     let mut plain = s0["lanes"][0].clone();
     plain["id"] = "00000000000000bb".into();
+    // A lane the provider has reported no cache reads for yet.
+    plain["cache"] = json!({"hit_ratio": null, "busts": 0, "invalidated_tokens": 0});
     s0["lanes"] = json!([busted, plain]);
     b.cmd(json!({"cmd": "route", "pattern": "**/sessions?*", "body": fake.to_string()}))
         .await;
