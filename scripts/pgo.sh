@@ -36,7 +36,7 @@ stale() {
         echo "pgo: NOTE: this release build is NOT profile-optimised."
         for line in "$@"; do echo "pgo: $line"; done
         echo "pgo: It is correct, only slower: the profile is worth 16-23% of the"
-        echo "pgo: instructions a request (README, \"Accuracy and performance\")."
+        echo "pgo: instructions a request (docs/history.md, 2026-12-07)."
         echo "pgo: To have it back: bash scripts/pgo.sh, then commit pgo/."
         echo "pgo: ================================================================"
     } >&2
