@@ -126,8 +126,10 @@ async fn drive(
             out.push((err(projected, real), han == 0 && now > 100));
         }
         han = now;
-        // The next replica reads this turn's record.
-        session(&tc, p, key, t as u64).await;
+        // The next replica reads this turn's record: wait until it sees it.
+        // Not through `p`: it answers from its own copy until its write-back
+        // lands in Redis, and the next turn could begin before that.
+        session(&tc, route(t + 1), key, t as u64).await;
     }
     out
 }
