@@ -721,6 +721,8 @@ async fn an_idle_session_is_gone_on_every_replica() {
     let c = client_h1();
     let key = "idle-shared";
     ask(&c, &a, key, &turn(1)).await;
+    // A's write-back is off the response path: B reads it once it landed.
+    until_turns(&c, &[&a, &b], key, 1).await;
     let r = ask(&c, &b, key, &turn(2)).await;
     assert!(r.has("src=anchored"), "{}", r.projection);
     until_turns(&c, &[&a, &b], key, 2).await;
