@@ -43,7 +43,7 @@ pub struct State {
     pub client: Client,
     pub estimator: Estimator,
     /// Sessions: this process's memory, or Redis shared with other replicas.
-    pub store: Store,
+    pub store: Box<dyn Store>,
     /// Upstreams (authorities) that answered 400 to `stream_options`: never inject there again.
     pub no_stream_options: DashSet<String>,
     /// Each trimmed session's last cut, so the next request is cut at the
@@ -96,7 +96,7 @@ pub const ESTIMATE_CACHE_BYTES: usize = 64 << 20;
 impl State {
     pub fn new(config: Config) -> Result<State, String> {
         let client = upstream::client(&config)?;
-        let store = Store::new(
+        let store = crate::session::open(
             SessionConfig {
                 ttl: config.session_ttl,
                 max_sessions: config.max_sessions,
@@ -1079,7 +1079,7 @@ pub(crate) fn window_of(
     let learned = state.store.windows();
     // The upstream's name is made only where it is looked up: a shared
     // backend, or once this process has learned anything.
-    let shared = matches!(state.store, crate::session::Store::Redis(_));
+    let shared = state.store.backend().is_some();
     if !shared && learned.is_empty() {
         return (crate::window::table_window(m), None);
     }
