@@ -9,19 +9,24 @@
 //!    loop that serves it start to finish with upstream connections of its
 //!    own. hyper's header-read timeout guards against slowloris, and a
 //!    graceful-shutdown watcher per worker drains in-flight streams.
-//! 2. **Route** (`proxy.rs::handle`, the spine): the longest `--route` prefix
+//! 2. **Route** (`proxy/mod.rs::handle`, the spine: named phases over one
+//!    per-request context, `proxy/ctx.rs::Ctx`, run in order by
+//!    `proxy/mod.rs::api_request`): the longest `--route` prefix
 //!    picks the upstream (`config.rs`); `provider::for_path` decides whether the
 //!    path is an API tidemark understands (`provider/`, one file per API).
-//!    Anything else streams through untouched (`proxy.rs::passthrough`).
+//!    Anything else streams through untouched (`proxy/send.rs::untouched`).
 //!    A WebSocket handshake (any path) goes to `ws/tunnel.rs`: sent upstream
 //!    on an HTTP/1.1 connection of its own with its upgrade headers, and
 //!    after `101` the two sockets are pumped with bounded buffers. On the
 //!    Responses API's WebSocket mode (`ws/responses.rs`) the frames are
 //!    read (`ws/frame.rs`, `ws/deflate.rs`) and each `response.create`
-//!    event is a turn through the same phases as a POST (`proxy.rs`:
-//!    `identify`, `estimate`, `project`, `decide`, `record`), except a
-//!    warm-up (`generate: false`, Codex's first event on every socket).
-//! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
+//!    event is a turn through the same phases as a POST (`turn/phases.rs`:
+//!    `identify`, `estimate`, `project`, `record`; `policy/decide.rs`:
+//!    `decide`), except a warm-up (`generate: false`, Codex's first event
+//!    on every socket). What both sides share sits in `turn/`, below both:
+//!    the state, the phases, errors mapped to responses (`turn/error.rs`).
+//! 3. **Read** (`proxy/phases.rs::read`) and **inspect** (`inspect.rs`):
+//!    the body is read whole, capped at
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
 //!    once, strictly as serde_json would validate it, into a borrowed view of
 //!    raw top-level JSON slices and the elements of the arrays among them (a
@@ -51,24 +56,30 @@
 //!    What is sent is also seen as the provider's prompt cache sees it
 //!    (`session/cache.rs`), to be compared with the lane's previous request
 //!    when the response comes back. One store
-//!    interface (`session/mod.rs`): this process's memory
+//!    trait (`session/mod.rs::Store`), whose implementations own begin and
+//!    finish: this process's memory
 //!    (`session/memory.rs`), or Redis shared by replicas
-//!    (`session/redis.rs`); `--exact-cold-start` asks the provider's counter.
-//! 6. **Policy** (`proxy.rs`, `trim.rs`): session budget, then pass / reject
-//!    (in the provider's own error shape) / trim (turn-aware, sticky cut,
-//!    re-projected with the same ruler, rejected if still over).
-//! 7. **Upstream** (`upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
+//!    (`session/redis.rs`); `--exact-cold-start` asks the provider's counter
+//!    (`proxy/count.rs`). The phases: `proxy/phases.rs::identify`,
+//!    `estimate`, `project`.
+//! 6. **Decide** (`policy/decide.rs::decide`, carried out by
+//!    `proxy/phases.rs::decide`): session budget, then a `Verdict`: pass /
+//!    reject (in the provider's own error shape, `turn/error.rs`) / trim
+//!    (`policy/cut.rs`, `trim.rs`: turn-aware, sticky cut, re-projected
+//!    with the same ruler, rejected if still over).
+//! 7. **Send** (`proxy/send.rs::send`; `upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
 //!    OpenAI chat usage option injected (`inject.rs`), connect and
 //!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
 //!    by ALPN) speaks HTTP/1.1 itself (`h1.rs`) and has no task per
 //!    connection: the response body reads and decodes its connection, so
 //!    bytes that arrived together leave together. When no
-//!    policy can stop or change the request (`--on-over pass`, no session
-//!    budget, no exact cold start: the defaults), it leaves right after step
-//!    3, having taken its place in its session's order (so two in flight
-//!    keep the order they came in), and steps 4-6 run while the upstream
-//!    works.
-//! 8. **Tap** (`tap.rs`): the response body is wrapped, never buffered: every
+//!    policy can stop or change the request (`policy::settled`: `--on-over
+//!    pass`, no session budget, no exact cold start: the defaults), it
+//!    leaves right after identify (`proxy/send.rs::forward_first`), having
+//!    taken its place in its session's order (so two in flight keep the
+//!    order they came in), and steps 4-6 run while the upstream works
+//!    (`proxy/ctx.rs::meanwhile`, the one combinator).
+//! 8. **Tap** (`proxy/tap.rs::tap`, `tap.rs`): the response body is wrapped, never buffered: every
 //!    frame goes to the client as it arrives while `usage.rs` decompresses a
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
 //!    that cannot carry usage, and builds for the provider only the members
@@ -78,7 +89,8 @@
 //!    compressed it anyway (`usage.rs::BodyDecoder`).
 //!    An error response's body is copied on the side, bounded, for what
 //!    its refusal says (`Provider::context_error`).
-//! 9. **Record** (`proxy.rs::record`): once, at end of stream, error or client
+//! 9. **Record** (`turn/phases.rs::record`, fired by
+//!    `proxy/tap.rs::recorder`): once, at end of stream, error or client
 //!    hang-up, the session is anchored (or the loss is made loud), a
 //!    refusal's window is learned and its prompt count anchors, a change
 //!    of the cached prefix is counted as a bust, and the drift is exported
@@ -107,6 +119,7 @@ pub mod metrics;
 pub mod otel;
 pub mod page;
 pub mod pick;
+pub mod policy;
 pub mod pool;
 pub mod provider;
 pub mod proxy;
@@ -116,6 +129,7 @@ pub mod sim;
 pub mod sse;
 pub mod tap;
 pub mod trim;
+pub mod turn;
 pub mod upstream;
 pub mod usage;
 pub mod window;

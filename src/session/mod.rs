@@ -515,35 +515,78 @@ impl std::future::Future for Beginning<'_> {
     }
 }
 
-/// Where sessions live: this process's memory, or Redis shared with other
-/// replicas (`--state`). The spine calls the same methods on either; the
-/// memory arm never awaits.
-pub enum Store {
-    Memory(Sessions),
-    Redis(redis::Shared),
-}
+/// A future the admin API awaits: a shared backend's round trip (this
+/// process's memory answers at once).
+pub type Pending<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
-impl Store {
-    /// `state` is `--state`: `memory` or a `redis://` URL.
-    pub fn new(cfg: SessionConfig, state: &str) -> Result<Store, String> {
-        Ok(match state {
-            "memory" => Store::Memory(Sessions::new(cfg)),
-            url => Store::Redis(redis::Shared::new(url, cfg)?),
-        })
-    }
-
+/// Where sessions live (`--state`): this process's memory ([`Sessions`]),
+/// or Redis shared with other replicas ([`redis::Shared`]). Each owns its
+/// begin and finish; the spine calls the same methods on either and never
+/// knows which it has. The memory store never awaits and allocates no
+/// future: its [`Store::begin`] is [`Beginning::Ready`].
+pub trait Store: Send + Sync {
     /// This process's sessions (all of them with `memory`, its copy with Redis).
-    pub fn sessions(&self) -> &Sessions {
-        match self {
-            Store::Memory(s) => s,
-            Store::Redis(r) => r.local(),
-        }
-    }
+    fn sessions(&self) -> &Sessions;
 
     /// The request's place in its session's order, taken on arrival, when
     /// it is forwarded before it is projected ([`Sessions::reserve`]).
     /// With Redis the order is Redis's, taken when it is asked: `None`.
-    pub fn reserve(
+    fn reserve(
+        &self,
+        key: Option<&str>,
+        source: KeySource,
+        credential: &str,
+        api: Api,
+        continues: Option<&str>,
+    ) -> Option<u64>;
+
+    /// Project a request and open its ticket, at the place `order` that
+    /// [`Store::reserve`] took (`None`: the next place now). With memory the
+    /// answer is there when this returns; await it either way.
+    fn begin<'a>(&'a self, facts: RequestFacts<'a>, order: Option<u64>) -> Beginning<'a>;
+
+    /// The response of a ticket's request ended.
+    fn finish(&self, ticket: Ticket, outcome: Outcome);
+
+    /// A window learned (or, `None`, dropped) for the other replicas.
+    fn share_window(&self, _upstream: &str, _model: &str, _window: Option<u64>) {}
+
+    /// `GET /sessions/{key}`: the session of that key under `credential`,
+    /// or the most recently seen one; with Redis, the shared record.
+    fn get<'a>(
+        &'a self,
+        key: &'a str,
+        credential: Option<&'a str>,
+    ) -> Pending<'a, Option<serde_json::Value>>;
+
+    /// `GET /sessions?limit=N`.
+    fn list(&self, limit: usize) -> Pending<'_, serde_json::Value>;
+
+    /// `DELETE /sessions/{key}[?credential=HASH]`: drop the anchors of
+    /// that credential's session, or of every credential's. Whether there
+    /// was one.
+    fn delete<'a>(&'a self, key: &'a str, credential: Option<&'a str>) -> Pending<'a, bool>;
+
+    /// The shared backend, if any: for `/readyz`.
+    fn backend(&self) -> Option<&redis::RedisState> {
+        None
+    }
+}
+
+/// The store `--state` names: `memory` or a `redis://` URL.
+pub fn open(cfg: SessionConfig, state: &str) -> Result<Box<dyn Store>, String> {
+    Ok(match state {
+        "memory" => Box::new(Sessions::new(cfg)),
+        url => Box::new(redis::Shared::new(url, cfg)?),
+    })
+}
+
+impl Store for Sessions {
+    fn sessions(&self) -> &Sessions {
+        self
+    }
+
+    fn reserve(
         &self,
         key: Option<&str>,
         source: KeySource,
@@ -551,30 +594,36 @@ impl Store {
         api: Api,
         continues: Option<&str>,
     ) -> Option<u64> {
-        match self {
-            Store::Memory(s) => s.reserve(key, source, credential, api, continues),
-            Store::Redis(_) => None,
-        }
+        Sessions::reserve(self, key, source, credential, api, continues)
     }
 
-    /// Project a request and open its ticket, at the place `order` that
-    /// [`Store::reserve`] took (`None`: the next place now). With memory the
-    /// answer is there when this returns; await it either way.
-    pub fn begin<'a>(&'a self, facts: RequestFacts<'a>, order: Option<u64>) -> Beginning<'a> {
-        match self {
-            Store::Memory(s) => Beginning::Ready(Some(s.begin_in_order(facts, order))),
-            Store::Redis(r) => Beginning::Waiting(Box::pin(r.begin(facts))),
-        }
+    fn begin<'a>(&'a self, facts: RequestFacts<'a>, order: Option<u64>) -> Beginning<'a> {
+        Beginning::Ready(Some(self.begin_in_order(facts, order)))
     }
 
-    /// The response of a ticket's request ended.
-    pub fn finish(&self, ticket: Ticket, outcome: Outcome) {
-        match self {
-            Store::Memory(s) => s.finish(ticket, outcome),
-            Store::Redis(r) => r.finish(ticket, outcome),
-        }
+    fn finish(&self, ticket: Ticket, outcome: Outcome) {
+        Sessions::finish(self, ticket, outcome)
     }
 
+    fn get<'a>(
+        &'a self,
+        key: &'a str,
+        credential: Option<&'a str>,
+    ) -> Pending<'a, Option<serde_json::Value>> {
+        Box::pin(std::future::ready(Sessions::get(self, key, credential)))
+    }
+
+    fn list(&self, limit: usize) -> Pending<'_, serde_json::Value> {
+        Box::pin(std::future::ready(Sessions::list(self, limit)))
+    }
+
+    fn delete<'a>(&'a self, key: &'a str, credential: Option<&'a str>) -> Pending<'a, bool> {
+        Box::pin(std::future::ready(self.reset(key, credential)))
+    }
+}
+
+/// What either store does through its own sessions.
+impl dyn Store + '_ {
     /// `--exact-cold-start`: the provider counted this anchor-less request.
     pub fn apply_count(&self, begun: &mut Begun, tokens: u64) {
         self.sessions().apply_count(begun, tokens)
@@ -604,9 +653,7 @@ impl Store {
                 "context window learned from the provider's refusal"
             );
         }
-        if let Store::Redis(r) = self {
-            r.share_window(upstream, model, Some(window));
-        }
+        self.share_window(upstream, model, Some(window));
     }
 
     /// The provider accepted a prompt larger than the window it had
@@ -619,50 +666,13 @@ impl Store {
                 window = w,
                 "learned context window dropped: the provider accepted more"
             );
-            if let Store::Redis(r) = self {
-                r.share_window(upstream, model, None);
-            }
-        }
-    }
-
-    /// `GET /sessions/{key}`: the session of that key under `credential`,
-    /// or the most recently seen one; with Redis, the shared record.
-    pub async fn get(&self, key: &str, credential: Option<&str>) -> Option<serde_json::Value> {
-        match self {
-            Store::Memory(s) => s.get(key, credential),
-            Store::Redis(r) => r.get(key, credential).await,
-        }
-    }
-
-    /// `GET /sessions?limit=N`.
-    pub async fn list(&self, limit: usize) -> serde_json::Value {
-        match self {
-            Store::Memory(s) => s.list(limit),
-            Store::Redis(r) => r.list(limit).await,
-        }
-    }
-
-    /// `DELETE /sessions/{key}[?credential=HASH]`: drop the anchors of
-    /// that credential's session, or of every credential's. Whether there
-    /// was one.
-    pub async fn delete(&self, key: &str, credential: Option<&str>) -> bool {
-        match self {
-            Store::Memory(s) => s.reset(key, credential),
-            Store::Redis(r) => r.delete(key, credential).await,
+            self.share_window(upstream, model, None);
         }
     }
 
     /// Drop what is idle past the TTL from this process's memory.
     pub fn sweep(&self, now: std::time::Instant) {
         self.sessions().sweep(now)
-    }
-
-    /// The shared backend, if any: for `/readyz`.
-    pub fn backend(&self) -> Option<&redis::RedisState> {
-        match self {
-            Store::Memory(_) => None,
-            Store::Redis(r) => Some(r.backend()),
-        }
     }
 }
 

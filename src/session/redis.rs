@@ -58,7 +58,9 @@ use tokio::sync::OnceCell;
 
 use super::lane::{api_name, Lane, Session, MAX_LANES};
 use super::memory::SharedView;
-use super::{Begun, KeySource, Outcome, RequestFacts, SessionConfig, Sessions, Ticket};
+use super::{
+    Beginning, Begun, KeySource, Outcome, Pending, RequestFacts, SessionConfig, Sessions, Ticket,
+};
 use crate::estimate::{Class, CLASSES};
 use crate::provider::Api;
 
@@ -1372,6 +1374,56 @@ impl Shared {
             };
         }
         any
+    }
+}
+
+impl super::Store for Shared {
+    fn sessions(&self) -> &Sessions {
+        &self.local
+    }
+
+    /// The order is Redis's, taken when it is asked.
+    fn reserve(
+        &self,
+        _key: Option<&str>,
+        _source: KeySource,
+        _credential: &str,
+        _api: Api,
+        _continues: Option<&str>,
+    ) -> Option<u64> {
+        None
+    }
+
+    fn begin<'a>(&'a self, facts: RequestFacts<'a>, _order: Option<u64>) -> Beginning<'a> {
+        Beginning::Waiting(Box::pin(Shared::begin(self, facts)))
+    }
+
+    fn finish(&self, ticket: Ticket, outcome: Outcome) {
+        Shared::finish(self, ticket, outcome)
+    }
+
+    fn share_window(&self, upstream: &str, model: &str, window: Option<u64>) {
+        Shared::share_window(self, upstream, model, window)
+    }
+
+    fn get<'a>(
+        &'a self,
+        key: &'a str,
+        credential: Option<&'a str>,
+    ) -> Pending<'a, Option<serde_json::Value>> {
+        Box::pin(Shared::get(self, key, credential))
+    }
+
+    fn list(&self, limit: usize) -> Pending<'_, serde_json::Value> {
+        Box::pin(Shared::list(self, limit))
+    }
+
+    fn delete<'a>(&'a self, key: &'a str, credential: Option<&'a str>) -> Pending<'a, bool> {
+        Box::pin(Shared::delete(self, key, credential))
+    }
+
+    fn backend(&self) -> Option<&RedisState> {
+        Some(&self.backend)
     }
 }
 

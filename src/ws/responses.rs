@@ -1,6 +1,6 @@
 //! The Responses API's WebSocket mode (`/v1/responses` upgraded): each
 //! client `response.create` event is a turn, identified, estimated and
-//! projected like a POST body (the HTTP spine's phases, `proxy.rs`), and
+//! projected like a POST body (the phases a POST shares, `turn/phases.rs`), and
 //! each server event that ends a response records it. A warm-up
 //! (`generate: false`) is no turn: it only holds its place in line.
 //!
@@ -34,10 +34,13 @@ use super::tunnel::{Out, Watch};
 use crate::config::OnOver;
 use crate::inspect::RequestView;
 use crate::metrics;
+use crate::policy::cut::{self, Trimming};
+use crate::policy::{self, Refusal, Verdict};
 use crate::provider::responses_websocket::{self as wire, Ended};
-use crate::provider::{Api, ErrorShape, Observed};
-use crate::proxy::{self, Estimating, Local, ProxyError, Verdict};
+use crate::provider::{Api, Observed};
 use crate::session::{Begun, RequestFacts};
+use crate::turn::phases::{self as turn, Estimating};
+use crate::turn::{Local, ProxyError};
 
 /// Turns being begun at once on a socket before its client is read no
 /// further (a client sending events faster than they are estimated).
@@ -148,8 +151,8 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
     let cfg = &state.config;
     let span = crate::otel::start(state.otel.as_ref(), &hs.headers, Api::OpenAiResponses, None);
     let model = p.model(&hs.path, &view);
-    let mut id = proxy::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
-    let estimate = match proxy::estimate(&state, p, &view, Some(event.clone()), model.as_deref()) {
+    let mut id = turn::identify(cfg, &hs.headers, hs.query.as_deref(), p, &view);
+    let estimate = match turn::estimate(&state, p, &view, Some(event.clone()), model.as_deref()) {
         Estimating::Done(e) => e,
         Estimating::Elsewhere(f) => match f.await {
             Some(e) => e,
@@ -157,15 +160,9 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         },
     };
     let upstream = cfg.upstream_for(&hs.path);
-    let (window, window_upstream) = proxy::window_of(&state, upstream, model.as_deref());
+    let (window, window_upstream) = turn::window_of(&state, upstream, model.as_deref());
     let series = metrics::get().series(Api::OpenAiResponses.as_str(), model.as_deref());
-    let cut_key = match cfg.on_over {
-        OnOver::Trim => id
-            .key
-            .as_ref()
-            .map(|k| format!("{}\u{0}{k}", id.credential)),
-        _ => None,
-    };
+    let cut_key = cut::cut_key(cfg, &id.credential, id.key.as_deref());
     // Each stream of the multi-stream beta is a lane of its own.
     let stream = wire::stream_id(&view);
     let facts = RequestFacts {
@@ -180,11 +177,11 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
         window,
         window_upstream,
         counted: None,
-        continues: p.continues(&view),
+        continues: id.continues,
         content: id.content.get(p, &view).unwrap_or_default(),
         stream: stream.as_deref(),
     };
-    let begun = proxy::project(&state, series, facts, None).await;
+    let begun = turn::project(&state, series, facts, None).await;
     let proj = &begun.projection;
     // The session the turn went to: a chained turn's is the response's it
     // continues, not the key its own content would have given.
@@ -211,16 +208,14 @@ pub async fn begin_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Optio
 /// end: a turn's outcome reaches the session and the metrics, as a
 /// response's does at the end of its body.
 pub fn end_turn(state: &Local, turn: Turn, status: u16, completed: bool, observed: Observed) {
-    proxy::record(
-        state,
-        turn.series,
-        turn.estimate,
-        turn.begun,
-        status,
-        completed,
-        observed,
-        (turn.span, turn.max_output),
-    );
+    let recorded = crate::turn::Turn {
+        series: turn.series,
+        estimate: turn.estimate,
+        begun: turn.begun,
+        max_output: turn.max_output,
+        span: turn.span,
+    };
+    turn::record(state, recorded, status, completed, observed);
 }
 
 /// What the policy made of a held `response.create`.
@@ -249,91 +244,67 @@ async fn decide_turn(state: Local, hs: Arc<Handshake>, event: Bytes) -> Decision
         Some(Create::Turn(t)) => *t,
     };
     let cfg = &state.config;
-    let m = metrics::get();
     let api = Api::OpenAiResponses.as_str();
     let reject = |turn: Turn, err: ProxyError| {
-        let shape = match err {
-            ProxyError::ContextBudget { projected, window } => {
-                ErrorShape::ContextLength { projected, window }
-            }
-            ProxyError::SessionBudget { spent, budget } => {
-                ErrorShape::SessionBudget { spent, budget }
-            }
-            _ => ErrorShape::Generic { status: 400 },
-        };
         let status = err.status().as_u16();
         let message = err.message(cfg.max_body_bytes);
+        let stream = turn.stream.as_deref();
         Decision::Reject {
-            event: wire::error_event(shape, status, err.kind(), &message, turn.stream.as_deref()),
+            event: wire::error_event(err.shape(), status, err.kind(), &message, stream),
             status,
             turn,
         }
     };
-    let (projected, window, limit, reserve) = match proxy::decide(cfg, &turn.begun, turn.max_output)
-    {
-        Verdict::Pass => return Decision::Forward(Create::Turn(Box::new(turn))),
-        Verdict::SessionBudget(err) => return reject(turn, err),
-        Verdict::Over {
-            projected,
-            window,
-            limit,
-            reserve,
-        } => (projected, window, limit, reserve),
-    };
-    let over_budget = |action: OnOver| {
-        m.over_budget
-            .with_label_values(&[api, &turn.series.model, action.as_str()])
-            .inc()
-    };
-    let over = ProxyError::ContextBudget { projected, window };
-    match cfg.on_over {
-        OnOver::Pass => {
-            over_budget(OnOver::Pass);
-            Decision::Forward(Create::Turn(Box::new(turn)))
-        }
-        OnOver::Reject => {
-            over_budget(OnOver::Reject);
-            reject(turn, over)
-        }
-        OnOver::Trim => {
-            let model = turn.begun.ticket.model().map(str::to_string);
-            let trimmed = proxy::trim_request(
-                &state,
-                Api::OpenAiResponses,
-                &event,
-                model.as_deref(),
-                turn.cut_key.as_deref(),
-                turn.begun.ruler,
-                reserve,
-                window,
-            )
-            .filter(|(_, est)| (turn.begun.ruler.measure_estimate(est) + reserve) as f64 <= limit);
-            let Some((t, est)) = trimmed else {
-                over_budget(OnOver::Reject);
-                return reject(turn, over);
-            };
-            over_budget(OnOver::Trim);
-            state.store.reproject(&mut turn.begun, est);
-            turn.estimate = est.tokens;
-            let after = turn.begun.projection.tokens + reserve;
-            if let Some(k) = turn.cut_key.clone() {
-                proxy::remember_cut(&state, k, t.cut.clone());
+    let over = match policy::decide(cfg, &turn.begun, turn.max_output) {
+        Verdict::Pass { over } => {
+            if let Some(o) = over {
+                o.count(api, &turn.series.model, OnOver::Pass);
             }
-            m.trimmed_tokens
-                .with_label_values(&[api, &turn.series.model])
-                .inc_by(projected.saturating_sub(after));
-            tracing::info!(
-                before = projected,
-                after,
-                turns = t.turns,
-                tool_results = t.tool_results,
-                "websocket turn trimmed"
-            );
-            Decision::Replace {
-                event: t.body,
-                turn,
-            }
+            return Decision::Forward(Create::Turn(Box::new(turn)));
         }
+        Verdict::Reject(r) => {
+            if let Refusal::Context(o) = r {
+                o.count(api, &turn.series.model, OnOver::Reject);
+            }
+            return reject(turn, r.into());
+        }
+        Verdict::Trim(o) => o,
+    };
+    let model = turn.begun.ticket.model().map(str::to_string);
+    let asked = Trimming {
+        api: Api::OpenAiResponses,
+        body: &event,
+        model: model.as_deref(),
+        cut_key: turn.cut_key.as_deref(),
+        ruler: turn.begun.ruler,
+        over,
+    };
+    let Some((t, est)) = cut::trim_request(cfg, &state.estimator, &state.cuts, &asked) else {
+        over.count(api, &turn.series.model, OnOver::Reject);
+        return reject(turn, Refusal::Context(over).into());
+    };
+    let series = turn.series;
+    let labels = (api, series.model.as_str());
+    let key = turn.cut_key.clone();
+    let after = cut::forwarded(
+        &*state.store,
+        &state.cuts,
+        &mut turn.begun,
+        labels,
+        key,
+        (&t, est, over),
+    );
+    turn.estimate = est.tokens;
+    tracing::info!(
+        before = over.projected,
+        after,
+        turns = t.turns,
+        tool_results = t.tool_results,
+        "websocket turn trimmed"
+    );
+    Decision::Replace {
+        event: t.body,
+        turn,
     }
 }
 
@@ -790,7 +761,7 @@ fn count_over_budget(state: &Local, create: &Create) {
     let Create::Turn(turn) = create else {
         return;
     };
-    if let Verdict::Over { .. } = proxy::decide(&state.config, &turn.begun, turn.max_output) {
+    if policy::over(&state.config, &turn.begun, turn.max_output).is_some() {
         metrics::get()
             .over_budget
             .with_label_values(&[

@@ -10,8 +10,6 @@
 use std::collections::VecDeque;
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -22,14 +20,14 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::Notify;
 
 use crate::config::Upstream;
 use crate::metrics;
 use crate::pool::Upgrade;
 use crate::provider::{self, Api};
-use crate::proxy::{self, Local, ProxyError};
 use crate::tap::{Finish, ObservedBody, Watch as BodyWatch};
+use crate::turn::outgoing::build_upstream_request;
+use crate::turn::{error_response, shape_provider, Local, ProxyError};
 use crate::upstream::{self, UpstreamError};
 
 /// Bytes a direction holds for its writer before it stops reading: a slow
@@ -56,63 +54,6 @@ fn lists(h: &HeaderMap, name: &http::HeaderName, token: &str) -> bool {
     })
 }
 
-/// The open WebSockets of one worker, so that a graceful shutdown waits
-/// for them (hyper's own watcher lets go of a connection once it upgrades).
-#[derive(Clone, Default)]
-pub struct Open(Arc<OpenInner>);
-
-#[derive(Default)]
-struct OpenInner {
-    n: AtomicUsize,
-    zero: Notify,
-}
-
-/// One open socket; dropping it (the pump ended, or its worker's loop was
-/// dropped at the end of the grace period) counts it closed.
-pub struct Held {
-    open: Open,
-    gauge: prometheus::IntGauge,
-}
-
-impl Open {
-    fn enter(&self, api: &str) -> Held {
-        self.0.n.fetch_add(1, Ordering::AcqRel);
-        let gauge = metrics::get().websockets.with_label_values(&[api]);
-        gauge.inc();
-        Held {
-            open: self.clone(),
-            gauge,
-        }
-    }
-
-    /// How many are open.
-    pub fn count(&self) -> usize {
-        self.0.n.load(Ordering::Acquire)
-    }
-
-    /// Resolves once none is open.
-    pub async fn closed(&self) {
-        loop {
-            // Made before the count is read: a close between the two still
-            // wakes it.
-            let woken = self.0.zero.notified();
-            if self.count() == 0 {
-                return;
-            }
-            woken.await;
-        }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.gauge.dec();
-        if self.open.0.n.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.open.0.zero.notify_waiters();
-        }
-    }
-}
-
 /// A WebSocket handshake, on any path: sent upstream with its upgrade
 /// headers on an HTTP/1.1 connection of its own; a `101` comes back as
 /// sent and both sockets are then pumped (on the Responses path with the
@@ -132,7 +73,7 @@ pub async fn handle(
     } else {
         "other"
     };
-    let shape = proxy::shape_provider(path);
+    let shape = shape_provider(path);
     let on_upgrade = hyper::upgrade::on(&mut req);
     let (parts, _) = req.into_parts();
     let mut headers = parts.headers.clone();
@@ -140,9 +81,8 @@ pub async fn handle(
     let empty = http_body_util::Empty::new()
         .map_err(|e| match e {})
         .boxed_unsync();
-    let Some(mut up) = proxy::build_upstream_request(&parts, headers, upstream, empty, false)
-    else {
-        return proxy::error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes);
+    let Some(mut up) = build_upstream_request(&parts, headers, upstream, empty, false) else {
+        return error_response(&ProxyError::ClientBody, shape, state.config.max_body_bytes);
     };
     upgrade.put_back(up.headers_mut());
     // What the Responses mode reads of the handshake: who is asking.
@@ -164,7 +104,7 @@ pub async fn handle(
                 .inc();
             let err = ProxyError::Upstream(e);
             series.count_request(err.status().as_u16());
-            proxy::error_response(&err, shape, state.config.max_body_bytes)
+            error_response(&err, shape, state.config.max_body_bytes)
         }
         Ok(Upgrade::Refused(resp)) => {
             // Refused (400, 401, 426...): the answer as the upstream sent it.
