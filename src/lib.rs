@@ -103,6 +103,7 @@ pub mod estimate;
 pub mod h1;
 pub mod inject;
 pub mod inspect;
+pub mod json;
 pub mod metrics;
 pub mod otel;
 pub mod page;

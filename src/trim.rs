@@ -38,6 +38,7 @@
 use std::collections::BTreeSet;
 use std::ops::Range;
 
+use crate::json::{elements, skip_ws, Obj};
 use crate::provider::Api;
 
 /// Tool outputs at or below this many JSON bytes are not worth eliding: the
@@ -661,155 +662,9 @@ impl Fnv {
     }
 }
 
-// ---- a minimal scanner over JSON text already validated by serde_json ----
-
-/// A JSON object's members: decoded key and the byte range of the value.
-struct Obj<'a> {
-    b: &'a [u8],
-    members: Vec<(String, Range<usize>)>,
-}
-
-impl<'a> Obj<'a> {
-    fn parse(b: &'a [u8], r: Range<usize>) -> Option<Obj<'a>> {
-        let mut i = skip_ws(b, r.start);
-        if b.get(i) != Some(&b'{') {
-            return None;
-        }
-        i = skip_ws(b, i + 1);
-        let mut members = Vec::new();
-        if b.get(i) == Some(&b'}') {
-            return Some(Obj { b, members });
-        }
-        loop {
-            let ke = string_end(b, i)?;
-            let key: String = serde_json::from_slice(b.get(i..ke)?).ok()?;
-            i = skip_ws(b, ke);
-            if b.get(i) != Some(&b':') {
-                return None;
-            }
-            let vs = skip_ws(b, i + 1);
-            let ve = value_end(b, vs)?;
-            members.push((key, vs..ve));
-            i = skip_ws(b, ve);
-            match b.get(i)? {
-                b',' => i = skip_ws(b, i + 1),
-                b'}' => return Some(Obj { b, members }),
-                _ => return None,
-            }
-        }
-    }
-
-    /// The value range of the last member named `key` (as serde does).
-    fn get(&self, key: &str) -> Option<Range<usize>> {
-        self.members
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, r)| r.clone())
-    }
-
-    fn str(&self, key: &str) -> Option<String> {
-        serde_json::from_slice(self.b.get(self.get(key)?)?).ok()
-    }
-}
-
-/// The value ranges of a JSON array's elements; `None` if `r` is not an array.
-fn elements(b: &[u8], r: Range<usize>) -> Option<Vec<Range<usize>>> {
-    let mut i = skip_ws(b, r.start);
-    if b.get(i) != Some(&b'[') {
-        return None;
-    }
-    i = skip_ws(b, i + 1);
-    let mut out = Vec::new();
-    if b.get(i) == Some(&b']') {
-        return Some(out);
-    }
-    loop {
-        let e = value_end(b, i)?;
-        out.push(i..e);
-        i = skip_ws(b, e);
-        match b.get(i)? {
-            b',' => i = skip_ws(b, i + 1),
-            b']' => return Some(out),
-            _ => return None,
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-        i += 1;
-    }
-    i
-}
-
-/// End (exclusive) of the string starting at `b[i] == '"'`.
-fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    if b.get(i) != Some(&b'"') {
-        return None;
-    }
-    let mut j = i + 1;
-    loop {
-        match b.get(j)? {
-            b'\\' => j += 2,
-            b'"' => return Some(j + 1),
-            _ => j += 1,
-        }
-    }
-}
-
-/// End (exclusive) of the JSON value starting at `i`.
-fn value_end(b: &[u8], i: usize) -> Option<usize> {
-    match b.get(i)? {
-        b'"' => string_end(b, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            loop {
-                match b.get(j)? {
-                    b'"' => {
-                        j = string_end(b, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth = depth.checked_sub(1)?;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-        }
-        _ => {
-            let mut j = i;
-            while let Some(c) = b.get(j) {
-                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                j += 1;
-            }
-            (j > i).then_some(j)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn scanner_finds_members_and_elements() {
-        let b = br#" { "a" : [1, "x\"]", {"b":null} ] , "c":true }"#;
-        let o = Obj::parse(b, 0..b.len()).unwrap();
-        assert_eq!(o.members.len(), 2);
-        let els = elements(b, o.get("a").unwrap()).unwrap();
-        let texts: Vec<&[u8]> = els.iter().map(|r| &b[r.clone()]).collect();
-        assert_eq!(texts, vec![&b"1"[..], br#""x\"]""#, br#"{"b":null}"#]);
-        assert_eq!(&b[o.get("c").unwrap()], b"true");
-    }
 
     #[test]
     fn breakpoints_ignore_strings_and_nulls() {

@@ -6,7 +6,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 use tidemark::estimate::images::{self, Size};
 use tidemark::estimate::{Encoding, Estimate, Estimator};
-use tidemark::inspect::RequestView;
+use tidemark::json::RequestView;
 use tidemark::provider::Api;
 
 fn est(api: Api, body: &Value) -> Estimate {

@@ -305,8 +305,8 @@ mod tests {
         k.add_to(&mut out);
         assert_eq!(out.iter().sum::<u64>(), c.sum(), "the total exact");
         // Shifted by 6: each class short by less than 64, the largest given the rest.
-        for i in 0..CLASSES {
-            let (a, b) = (out[i] as f64, f64::from(c.0[i]));
+        for (i, (&a, &b)) in out.iter().zip(&c.0).enumerate() {
+            let (a, b) = (a as f64, f64::from(b));
             assert!(
                 (a - b).abs() < 64.0 * CLASSES as f64,
                 "class {i}: {a} vs {b}"

@@ -11,7 +11,6 @@
 mod cache;
 pub mod classes;
 pub mod images;
-pub mod json;
 pub mod tokenizer;
 mod walk;
 
@@ -19,12 +18,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-use crate::inspect::{Raw, RequestView};
+use crate::json::text as json;
+use crate::json::{Raw, RequestView};
+pub use crate::provider::Unit;
 use crate::provider::{Api, Provider};
 use cache::{Cache, Counted};
 pub use classes::{Class, Classes, CLASSES};
 pub use tokenizer::Encoding;
-pub use walk::Unit;
 use walk::*;
 
 /// A request's local estimate.

@@ -18,9 +18,9 @@ use serde_json::value::RawValue;
 
 use super::classes::{self, Class, Classes};
 use super::images::{self, Detail};
-use super::json::{self, get, kind};
 use super::tokenizer::Encoding;
-use crate::provider::Api;
+use crate::json::text::{self as json, get, kind};
+use crate::provider::{Api, Unit};
 
 pub const OPENAI_PER_MESSAGE: u64 = 3;
 pub const OPENAI_PER_NAME: u64 = 1;
@@ -38,29 +38,6 @@ pub const GEMINI_PER_CALL: u64 = 3;
 pub const OLLAMA_PER_MESSAGE: u64 = 4;
 pub const OLLAMA_REPLY: u64 = 5;
 pub const OLLAMA_PER_CALL: u64 = 3;
-
-/// What a cached unit is: the same bytes count differently in another slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Unit {
-    ChatMessage = 1,
-    ChatTool,
-    ChatFunction,
-    RespInstructions,
-    RespInputText,
-    RespItem,
-    RespTool,
-    AnthSystem,
-    AnthMessage,
-    AnthTool,
-    GemSystem,
-    GemContent,
-    GemTool,
-    OllamaMessage,
-    OllamaTool,
-    OllamaText,
-    OllamaImage,
-}
 
 /// A running count for one unit.
 pub struct Ctx<'m> {

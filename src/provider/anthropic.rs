@@ -11,7 +11,7 @@ use super::{
     Provider, ERROR, USAGE,
 };
 use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 
 pub struct Anthropic;
 
@@ -331,7 +331,7 @@ mod tests {
         let read = |events: &[&str]| {
             let mut acc = Observed::default();
             for e in events {
-                let node = crate::pick::pick(e.as_bytes(), keep).unwrap();
+                let node = crate::json::pick(e.as_bytes(), keep).unwrap();
                 Anthropic.observe(None, &node, &mut acc);
             }
             acc

@@ -8,7 +8,7 @@ use super::{
     Part, PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
 };
 use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 
 pub struct Gemini;
 

@@ -7,8 +7,8 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+pub use crate::json::Node;
+use crate::json::RequestView;
 
 mod anthropic;
 mod gemini;
@@ -115,6 +115,29 @@ pub struct CountedField {
     /// Array whose elements are messages/items (each framed and cached separately).
     pub per_element: bool,
     pub part: Part,
+}
+
+/// What a cached unit is: the same bytes count differently in another slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Unit {
+    ChatMessage = 1,
+    ChatTool,
+    ChatFunction,
+    RespInstructions,
+    RespInputText,
+    RespItem,
+    RespTool,
+    AnthSystem,
+    AnthMessage,
+    AnthTool,
+    GemSystem,
+    GemContent,
+    GemTool,
+    OllamaMessage,
+    OllamaTool,
+    OllamaText,
+    OllamaImage,
 }
 
 /// What a counted field is to a conversation's identity (the fingerprint
@@ -342,57 +365,6 @@ pub trait Provider: Send + Sync + 'static {
             min: 1024,
             granularity: 1,
         }
-    }
-}
-
-/// A JSON value as the tap parsed it for a provider: objects hold only the
-/// members its [`reads`](Provider::reads) names, under those `'static` names, so nothing
-/// but kept strings is allocated. Mirrors the parts of `serde_json::Value`'s
-/// API the providers use.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Node {
-    Null,
-    Bool(bool),
-    /// A non-negative integer: every token count.
-    Count(u64),
-    /// Any other number.
-    Number,
-    Str(String),
-    Obj(Vec<(&'static str, Node)>),
-    Arr(Vec<Node>),
-}
-
-impl Node {
-    /// A member of an object; the last one when repeated, as serde_json does.
-    pub fn get(&self, key: &str) -> Option<&Node> {
-        match self {
-            Node::Obj(m) => m.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-    pub fn as_u64(&self) -> Option<u64> {
-        match self {
-            Node::Count(n) => Some(*n),
-            _ => None,
-        }
-    }
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            Node::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-    pub fn as_bool(&self) -> Option<bool> {
-        match self {
-            Node::Bool(b) => Some(*b),
-            _ => None,
-        }
-    }
-    pub fn is_object(&self) -> bool {
-        matches!(self, Node::Obj(_))
-    }
-    pub fn is_null(&self) -> bool {
-        matches!(self, Node::Null)
     }
 }
 

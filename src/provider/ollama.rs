@@ -7,7 +7,7 @@ use super::{
     PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
 };
 use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 
 pub struct Ollama;
 

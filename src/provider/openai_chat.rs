@@ -7,7 +7,7 @@ use super::{
     Part, PromptCache, Provider, Usage, ERROR, USAGE,
 };
 use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 
 pub struct OpenAiChat;
 

@@ -11,7 +11,7 @@ use super::{
     USAGE,
 };
 use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 
 pub struct OpenAiResponses;
 
@@ -187,7 +187,7 @@ impl Provider for OpenAiResponses {
 /// it stands for (what Codex CLI reads to recover).
 pub mod websocket {
     use super::{Node, Observed, OpenAiResponses, Provider, RESPONSE_EVENTS};
-    use crate::inspect::RequestView;
+    use crate::json::RequestView;
     use crate::provider::ErrorShape;
 
     /// The client event that starts a response.
@@ -238,8 +238,8 @@ pub mod websocket {
         if !terminal || !p.may_carry_usage(None, message) {
             return None;
         }
-        let node = crate::pick::pick(message, p.reads())?;
-        let envelope = crate::pick::pick(message, ENVELOPE)?;
+        let node = crate::json::pick(message, p.reads())?;
+        let envelope = crate::json::pick(message, ENVELOPE)?;
         let typ = node.get("type").and_then(Node::as_str)?;
         let status = match typ {
             "error" => envelope
@@ -371,7 +371,7 @@ mod identity_tests {
         let keep = OpenAiResponses.reads();
         let read = |e: &str| {
             let mut acc = Observed::default();
-            let node = crate::pick::pick(e.as_bytes(), keep).unwrap();
+            let node = crate::json::pick(e.as_bytes(), keep).unwrap();
             OpenAiResponses.observe(None, &node, &mut acc);
             acc
         };
