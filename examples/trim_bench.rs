@@ -3,13 +3,19 @@
 //! estimator as the ruler, its cache warm as the proxy's is when it trims
 //! (it has just estimated the request).
 //!
+//! Both ways: each cut weighed by estimating its body whole
+//! (`trim::trim` with the estimator as the ruler), and by adding up its
+//! elements' cached counts (`trim::trim_estimated`, what the proxy does).
+//!
 //!     cargo run --release --example trim_bench
 
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tidemark::estimate::Estimator;
+use tidemark::estimate::{Estimate, Estimator};
+use tidemark::json::RequestView;
 use tidemark::provider::Api;
+use tidemark::trim::Trimmed;
 
 fn body() -> Vec<u8> {
     let mut msgs =
@@ -50,30 +56,46 @@ fn main() {
 
 fn run(est: &Estimator, body: &[u8], need: u64, div: u64) {
     let model = Some("gpt-4o");
-    let mut times: Vec<Duration> = Vec::new();
+    let measure = |b: &[u8]| -> u64 {
+        est.estimate_body(Api::OpenAiChat, b, model)
+            .map_or(u64::MAX, |e| e.tokens)
+    };
+    let whole = time(|| tidemark::trim::trim(Api::OpenAiChat, body, &measure, need, None));
+    let tokens = |e: &Estimate| e.tokens;
+    let parts = time(|| {
+        let view = RequestView::parse(body)?;
+        let p = None;
+        tidemark::trim::trim_estimated(est, Api::OpenAiChat, &view, model, &tokens, need, need, p)
+            .map(|(t, _)| t)
+    });
+    for (name, (times, t)) in [("bodies estimated whole", whole), ("parts added up", parts)] {
+        let Some(t) = t else {
+            println!("trim to 1/{div}: nothing trimmed");
+            continue;
+        };
+        let after = est
+            .estimate_body(Api::OpenAiChat, &t.body, model)
+            .map_or(0, |e| e.tokens);
+        println!(
+            "trim to 1/{div} ({need} tokens), {name}: p50 {:.2} ms, min {:.2} ms ({} bytes, {after} tokens, turns {}, tool results {})",
+            times[times.len() / 2].as_secs_f64() * 1e3,
+            times[0].as_secs_f64() * 1e3,
+            t.body.len(),
+            t.turns,
+            t.tool_results
+        );
+    }
+}
+
+/// Twenty runs of `f`, sorted, and its last result.
+fn time(f: impl Fn() -> Option<Trimmed>) -> (Vec<Duration>, Option<Trimmed>) {
+    let mut times = Vec::new();
     let mut out = None;
     for _ in 0..20 {
         let t = Instant::now();
-        let measure = |b: &[u8]| -> u64 {
-            est.estimate_body(Api::OpenAiChat, b, model)
-                .map_or(u64::MAX, |e| e.tokens)
-        };
-        let r = tidemark::trim::trim(Api::OpenAiChat, body, &measure, need, None);
+        out = f();
         times.push(t.elapsed());
-        out = r;
     }
     times.sort();
-    let t = out.expect("trimmed");
-    let after = est
-        .estimate_body(Api::OpenAiChat, &t.body, model)
-        .map_or(0, |e| e.tokens);
-    println!(
-        "trim to 1/{div} ({need} tokens): p50 {:.2} ms, min {:.2} ms, max {:.2} ms ({} bytes, {after} tokens, turns {}, tool results {})",
-        times[times.len() / 2].as_secs_f64() * 1e3,
-        times[0].as_secs_f64() * 1e3,
-        times[times.len() - 1].as_secs_f64() * 1e3,
-        t.body.len(),
-        t.turns,
-        t.tool_results
-    );
+    (times, out)
 }

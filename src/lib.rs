@@ -21,7 +21,7 @@
 //!    event is a turn through the same phases as a POST (`proxy.rs`:
 //!    `identify`, `estimate`, `project`, `decide`, `record`), except a
 //!    warm-up (`generate: false`, Codex's first event on every socket).
-//! 3. **Inspect** (`inspect.rs`): the body is read whole, capped at
+//! 3. **Inspect** (`json/view.rs`): the body is read whole, capped at
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
 //!    once, strictly as serde_json would validate it, into a borrowed view of
 //!    raw top-level JSON slices and the elements of the arrays among them (a
@@ -56,7 +56,8 @@
 //!    (`session/redis.rs`); `--exact-cold-start` asks the provider's counter.
 //! 6. **Policy** (`proxy.rs`, `trim.rs`): session budget, then pass / reject
 //!    (in the provider's own error shape) / trim (turn-aware, sticky cut,
-//!    re-projected with the same ruler, rejected if still over).
+//!    each cut weighed by its elements' cached counts, re-projected with
+//!    the same ruler, rejected if still over).
 //! 7. **Upstream** (`upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
 //!    OpenAI chat usage option injected (`inject.rs`), connect and
 //!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
@@ -73,7 +74,7 @@
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
 //!    that cannot carry usage, and builds for the provider only the members
 //!    it reads (`Provider::reads`), stepping over the rest by structure
-//!    alone (`pick.rs`). An injected stream loses on its way what the
+//!    alone (`json/pick.rs`). An injected stream loses on its way what the
 //!    option added (`inject.rs`), decoded first when the upstream
 //!    compressed it anyway (`usage.rs::BodyDecoder`).
 //!    An error response's body is copied on the side, bounded, for what

@@ -1309,19 +1309,13 @@ pub(crate) fn trim_request(
     window: u64,
 ) -> Option<(trim::Trimmed, Estimate)> {
     let cfg = &state.config;
-    let measure = |b: &[u8]| -> u64 {
-        state
-            .estimator
-            .estimate_body(api, b, model)
-            .map(|e| ruler.measure_estimate(&e))
-            .unwrap_or(u64::MAX)
-    };
+    let measure = |e: &Estimate| ruler.measure_estimate(e);
     let need = ((cfg.trim_to * window as f64) as u64).saturating_sub(reserve);
     let keep = ((cfg.limit_at * window as f64) as u64).saturating_sub(reserve);
     let prior = cut_key.and_then(|k| state.cuts.get(k).map(|c| c.clone()));
-    let t = trim::trim_sticky(api, body, &measure, need, keep, prior.as_ref())?;
-    let est = state.estimator.estimate_body(api, &t.body, model)?;
-    Some((t, est))
+    let view = RequestView::parse(body)?;
+    let (est, api, p) = (&state.estimator, api, prior.as_ref());
+    trim::trim_estimated(est, api, &view, model, &measure, need, keep, p)
 }
 
 /// Remember a session's cut for its next request, bounded by `--max-sessions`.

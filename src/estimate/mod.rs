@@ -112,12 +112,28 @@ impl Estimator {
         model: Option<&str>,
         budget: &mut usize,
     ) -> Option<Estimate> {
+        Some(self.sum_within(p, req, model, budget, None)?.estimate())
+    }
+
+    /// What [`Estimator::estimate_within`] adds up, without the field
+    /// `skip`.
+    fn sum_within(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        budget: &mut usize,
+        skip: Option<&str>,
+    ) -> Option<Sum> {
         let api = p.api();
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
         let mut sum = Sum::default();
         for f in p.counted_fields() {
             let (field, unit, per_element) = (f.name, f.unit, f.per_element);
+            if skip == Some(field) {
+                continue;
+            }
             let Some(raw) = req.raw(field) else {
                 continue;
             };
@@ -174,11 +190,39 @@ impl Estimator {
             Api::Ollama => OLLAMA_REPLY,
         };
         sum.classes[Class::Framing as usize] += reply;
-        Some(Estimate {
-            tokens: sum.classes.iter().sum(),
-            chars: sum.chars,
-            classes: Classes(sum.classes.map(|n| u32::try_from(n).unwrap_or(u32::MAX))),
-        })
+        Some(sum)
+    }
+
+    /// `req`'s estimate taken apart for a trimmer: everything but the
+    /// elements of its history (the provider's conversation array), and
+    /// each of those on its own, from the per-message cache the estimate
+    /// filled. `None` when the request has no such array.
+    pub fn parts<'e>(
+        &'e self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+    ) -> Option<Parts<'e>> {
+        let history = crate::provider::history(p)?;
+        let els = req.elements(history.name)?;
+        let api = p.api();
+        let mut unbounded = usize::MAX;
+        let rest = self.sum_within(p, req, model, &mut unbounded, Some(history.name))?;
+        let mut parts = Parts {
+            est: self,
+            api,
+            enc: Encoding::for_model(api, model),
+            model: model.map(str::to_owned),
+            images: image_class(api, model),
+            unit: history.unit,
+            rest,
+            elements: Vec::with_capacity(els.len()),
+        };
+        for el in els {
+            let c = parts.count(el.get());
+            parts.elements.push(c);
+        }
+        Some(parts)
     }
 
     /// [`Estimator::estimate`] of a raw body; `None` when it is not a JSON object.
@@ -370,6 +414,65 @@ fn image_class(api: Api, model: Option<&str>) -> u64 {
     }
 }
 
+/// A request's estimate in parts ([`Estimator::parts`]): what a trimmer
+/// adds up for each cut it weighs instead of estimating a body.
+pub struct Parts<'e> {
+    est: &'e Estimator,
+    api: Api,
+    enc: Encoding,
+    model: Option<String>,
+    images: u64,
+    /// The history's unit.
+    unit: Unit,
+    /// Everything outside the history's elements.
+    rest: Sum,
+    elements: Vec<Part>,
+}
+
+/// One history element's count, to be added up by [`Parts::total`].
+#[derive(Debug, Clone, Copy)]
+pub struct Part(Counted);
+
+impl Parts<'_> {
+    /// The `i`th element of the request's history.
+    pub fn element(&self, i: usize) -> Part {
+        self.elements[i]
+    }
+
+    /// An element's text the request did not hold (a tool output elided, a
+    /// gap marker), counted as one of its history, through the cache.
+    pub fn count(&self, raw: &str) -> Part {
+        let mut unbounded = usize::MAX;
+        let model = self.model.as_deref();
+        let c = self.est.unit(
+            self.api,
+            self.enc,
+            model,
+            self.images,
+            self.unit,
+            raw,
+            &mut unbounded,
+        );
+        Part(c.unwrap_or_default())
+    }
+
+    /// The estimate of the request with `kept` as its history's elements:
+    /// what estimating that body would give.
+    pub fn total(&self, kept: impl IntoIterator<Item = Part>) -> Estimate {
+        let mut sum = Sum {
+            classes: self.rest.classes,
+            chars: self.rest.chars,
+        };
+        let mut n = 0;
+        for Part(c) in kept {
+            sum.add(c);
+            n += 1;
+        }
+        sum.classes[Class::Framing as usize] += block_overhead(self.api, self.unit, n);
+        sum.estimate()
+    }
+}
+
 #[derive(Default)]
 struct Sum {
     classes: [u64; CLASSES],
@@ -377,6 +480,14 @@ struct Sum {
 }
 
 impl Sum {
+    fn estimate(&self) -> Estimate {
+        Estimate {
+            tokens: self.classes.iter().sum(),
+            chars: self.chars,
+            classes: Classes(self.classes.map(|n| u32::try_from(n).unwrap_or(u32::MAX))),
+        }
+    }
+
     fn add(&mut self, c: Counted) {
         c.add_to(&mut self.classes);
         self.chars += c.chars();

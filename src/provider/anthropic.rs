@@ -1,6 +1,8 @@
 //! Anthropic Messages (`/messages`): input and cache counts in
 //! `message_start`, cumulative replacements in `message_delta`.
 
+use std::ops::Range;
+
 use std::borrow::Cow;
 
 use serde_json::Value;
@@ -10,8 +12,8 @@ use super::{
     Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed, Part, PromptCache,
     Provider, ERROR, USAGE,
 };
-use crate::estimate::Unit;
-use crate::json::RequestView;
+use super::{Element, Unit};
+use crate::json::{Obj, RequestView};
 
 pub struct Anthropic;
 
@@ -209,6 +211,39 @@ impl Provider for Anthropic {
     /// what was read and written.
     fn prompt_cache(&self) -> PromptCache {
         PromptCache::Breakpoints
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        let o = Obj::parse(b, r)?;
+        let (mut e, role) = Element::by_role(&o);
+        let blocks = o
+            .get("content")
+            .filter(|r| b.get(r.start) == Some(&b'['))
+            .and_then(|r| crate::json::elements(b, r))
+            .unwrap_or_default();
+        for r in blocks {
+            let Some(blk) = Obj::parse(b, r) else {
+                continue;
+            };
+            match blk.str("type").as_deref() {
+                Some("tool_use") => e.calls.push(blk.str("id").unwrap_or_default()),
+                Some("tool_result") => {
+                    e.results.push(blk.str("tool_use_id"));
+                    e.outputs.extend(blk.get("content"));
+                }
+                _ => {}
+            }
+        }
+        e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+        Some(e)
+    }
+    /// Messages must alternate user / assistant: an assistant message says
+    /// what was cut.
+    fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
+        let v = serde_json::json!({"role": "assistant", "content": super::gap_text(dropped)});
+        serde_json::to_vec(&v).ok()
+    }
+    fn cache_breakpoints(&self) -> Option<(&'static str, usize)> {
+        Some(("cache_control", 4))
     }
 }
 

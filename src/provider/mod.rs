@@ -4,11 +4,12 @@
 //! [`ALL`].
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use serde_json::Value;
 
 pub use crate::json::Node;
-use crate::json::RequestView;
+use crate::json::{Obj, RequestView};
 
 mod anthropic;
 mod gemini;
@@ -167,6 +168,79 @@ pub(crate) const fn field(
         per_element,
         part,
     }
+}
+
+/// The conversation array of an API's table: the history counted element
+/// by element (`messages`, Responses `input`, Gemini `contents`), the one
+/// a trimmer cuts.
+pub fn history(p: &dyn Provider) -> Option<&'static CountedField> {
+    p.counted_fields()
+        .iter()
+        .find(|f| f.part == Part::History && f.per_element)
+}
+
+/// One element of the conversation array as a trimmer sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Element {
+    /// A user message that is not a tool result: a turn starts here.
+    pub turn_start: bool,
+    /// A user message (tool results included): needs a gap marker before it
+    /// where roles must alternate.
+    pub user: bool,
+    /// Produced by the model (assistant / model message, Responses output
+    /// item): a tool step may start here.
+    pub assistant: bool,
+    /// A Responses reasoning item, which must stay with the item after it.
+    pub reasoning: bool,
+    /// Tool call ids this element issues.
+    pub calls: Vec<String>,
+    /// Tool call ids whose results this element carries (`None`: no id, as in
+    /// Ollama or Gemini without ids; bound to the nearest preceding call).
+    pub results: Vec<Option<String>>,
+    /// Byte ranges (in the body) of tool outputs a trimmer may elide.
+    pub outputs: Vec<Range<usize>>,
+}
+
+impl Element {
+    /// An element by its `role` alone (`user`, `assistant`), and the role.
+    pub(crate) fn by_role(o: &Obj<'_>) -> (Element, Option<String>) {
+        let role = o.str("role");
+        let e = Element {
+            user: role.as_deref() == Some("user"),
+            assistant: role.as_deref() == Some("assistant"),
+            ..Element::default()
+        };
+        (e, role)
+    }
+}
+
+/// The text that replaces an elided tool output.
+pub(crate) fn elided_text(bytes: usize) -> String {
+    format!("[tidemark: elided {bytes} bytes of tool output]")
+}
+
+/// The text of a gap marker.
+pub(crate) fn gap_text(dropped: usize) -> String {
+    format!("[tidemark: {dropped} earlier messages omitted]")
+}
+
+/// Chat-shaped elements (OpenAI chat, Ollama): `tool_calls` issue calls, a
+/// `tool` message carries one result and its `content` is the output.
+pub(crate) fn chat_element(b: &[u8], r: Range<usize>) -> Option<Element> {
+    let o = Obj::parse(b, r)?;
+    let (mut e, role) = Element::by_role(&o);
+    e.turn_start = role.as_deref() == Some("user");
+    if let Some(tc) = o.get("tool_calls") {
+        for r in crate::json::elements(b, tc).unwrap_or_default() {
+            let id = Obj::parse(b, r).and_then(|c| c.str("id"));
+            e.calls.push(id.unwrap_or_default());
+        }
+    }
+    if role.as_deref() == Some("tool") {
+        e.results.push(o.str("tool_call_id"));
+        e.outputs.extend(o.get("content"));
+    }
+    Some(e)
 }
 
 /// A tidemark-made error, to be rendered in the API's own shape.
@@ -354,6 +428,34 @@ pub trait Provider: Send + Sync + 'static {
     /// window, when it is this API's context-length error; `None` for
     /// every other error, and where the API's refusal names no numbers.
     fn context_error(&self, _status: u16, _body: &[u8]) -> Option<ContextError> {
+        None
+    }
+
+    // ---- trimming -----------------------------------------------------
+
+    /// What element `b[r]` of the conversation array is to a trimmer
+    /// (`trim.rs`): turn starts, roles, tool calls and results, outputs
+    /// that may be elided. `None`: not an element this API's trimmer
+    /// understands (the request is then left whole).
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element>;
+
+    /// What an elided tool output of `bytes` JSON bytes is replaced with,
+    /// as a JSON value.
+    fn elided(&self, bytes: usize) -> Vec<u8> {
+        serde_json::to_vec(&elided_text(bytes)).unwrap_or_default()
+    }
+
+    /// The message that stands for `dropped` elements cut before a user
+    /// message, where the API requires roles to alternate; `None`: a gap
+    /// needs none.
+    fn gap_marker(&self, _dropped: usize) -> Option<Vec<u8>> {
+        None
+    }
+
+    /// The member that marks a prompt-cache breakpoint and how many a
+    /// request may hold, where the client places them (Anthropic
+    /// `cache_control`, 4): a trim that elides must keep within it.
+    fn cache_breakpoints(&self) -> Option<(&'static str, usize)> {
         None
     }
 

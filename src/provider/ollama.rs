@@ -1,12 +1,14 @@
 //! Ollama native chat (`/api/chat`): NDJSON, usage on the `done` line.
 
+use std::ops::Range;
+
 use serde_json::Value;
 
 use super::{
     count, field, has_member, truthy, Api, CountedField, ErrorShape, GenAi, Node, Observed, Part,
     PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
 };
-use crate::estimate::Unit;
+use super::{Element, Unit};
 use crate::json::RequestView;
 
 pub struct Ollama;
@@ -94,5 +96,8 @@ impl Provider for Ollama {
             min: 0,
             granularity: 1,
         }
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        super::chat_element(b, r)
     }
 }

@@ -1,12 +1,14 @@
 //! OpenAI chat completions (`/chat/completions`), and every server that speaks
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
+use std::ops::Range;
+
 use super::{
     count, error_object, field, first_valued, has_member, last_valued, number_after,
     openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
     Part, PromptCache, Provider, Usage, ERROR, USAGE,
 };
-use crate::estimate::Unit;
+use super::{Element, Unit};
 use crate::json::RequestView;
 
 pub struct OpenAiChat;
@@ -99,6 +101,9 @@ impl Provider for OpenAiChat {
             min: 1024,
             granularity: 128,
         }
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        super::chat_element(b, r)
     }
 }
 

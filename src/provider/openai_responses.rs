@@ -1,6 +1,8 @@
 //! OpenAI Responses (`/responses`): usage on the terminal event, and the
 //! response id a later request continues with `previous_response_id`.
 
+use std::ops::Range;
+
 use std::borrow::Cow;
 
 use serde_json::Value;
@@ -10,8 +12,8 @@ use super::{
     GenAi, Node, Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED,
     USAGE,
 };
-use crate::estimate::Unit;
-use crate::json::RequestView;
+use super::{Element, Unit};
+use crate::json::{Obj, RequestView};
 
 pub struct OpenAiResponses;
 
@@ -175,6 +177,29 @@ impl Provider for OpenAiResponses {
     }
     fn prompt_cache(&self) -> PromptCache {
         OpenAiChat.prompt_cache()
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        let o = Obj::parse(b, r)?;
+        let (mut e, role) = Element::by_role(&o);
+        let ty = o.str("type");
+        let is_msg = ty.as_deref().map_or(true, |t| t == "message");
+        e.turn_start = is_msg && role.as_deref() == Some("user");
+        e.reasoning = ty.as_deref() == Some("reasoning");
+        e.assistant = match ty.as_deref() {
+            None | Some("message") => role.as_deref() == Some("assistant"),
+            Some(t) => t == "reasoning" || (t.ends_with("_call") && !t.ends_with("_output")),
+        };
+        if let (Some(id), Some(t)) = (o.str("call_id"), ty.as_deref()) {
+            if t.ends_with("_output") {
+                e.results.push(Some(id));
+                if t == "function_call_output" || t == "custom_tool_call_output" {
+                    e.outputs.extend(o.get("output"));
+                }
+            } else {
+                e.calls.push(id);
+            }
+        }
+        Some(e)
     }
 }
 
