@@ -172,24 +172,14 @@ impl Estimator {
                 sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
                 continue;
             }
-            let unit = match (api, unit) {
-                // Responses `input` is a string or a list of items.
-                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
-                _ => unit,
-            };
+            let unit = unit.whole();
             if json::kind(raw) != b'n' {
                 sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
                 n += 1;
             }
             sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
         }
-        let reply = match api {
-            Api::OpenAiChat | Api::OpenAiResponses => OPENAI_REPLY,
-            Api::Anthropic => ANTHROPIC_REPLY,
-            Api::Gemini => GEMINI_REPLY,
-            Api::Ollama => OLLAMA_REPLY,
-        };
-        sum.classes[Class::Framing as usize] += reply;
+        sum.classes[Class::Framing as usize] += p.reply_framing();
         Some(sum)
     }
 
@@ -315,10 +305,7 @@ impl Estimator {
             if json::kind(raw.get()) == b'n' {
                 continue;
             }
-            let unit = match (api, field.unit) {
-                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
-                (_, u) => u,
-            };
+            let unit = field.unit.whole();
             let key = unit_key(enc, unit, images, raw.get());
             let c = self.unit_keyed(api, enc, model, unit, key, raw.get(), &mut unbounded);
             let rekey = |b: &[u8]| unit_key_bytes(enc, unit, images, b);
@@ -506,10 +493,5 @@ fn block_overhead(api: Api, unit: Unit, n: u64) -> u64 {
     if n == 0 {
         return 0;
     }
-    match (api, unit) {
-        (Api::OpenAiChat, Unit::ChatTool | Unit::ChatFunction) => OPENAI_TOOLS_END,
-        (Api::OpenAiResponses, Unit::RespTool) => OPENAI_TOOLS_END,
-        (Api::Anthropic, Unit::AnthTool) => ANTHROPIC_TOOLS_SYSTEM,
-        _ => 0,
-    }
+    api.provider().block_framing(unit)
 }

@@ -12,7 +12,9 @@
 //! marker), so 3 per message is used for Anthropic and Gemini, and the Llama 3
 //! template's 4 (+ the role) for Ollama, with 5 to open the reply. Anthropic
 //! does publish the system prompt that tool use adds: 346 tokens. Any residue
-//! is fixed per request and cancels out of an anchored projection.
+//! is fixed per request and cancels out of an anchored projection. The
+//! per-request costs (opening the reply, a tool block) are the providers'
+//! (`Provider::reply_framing`, `Provider::block_framing`).
 
 use serde_json::value::RawValue;
 
@@ -24,19 +26,13 @@ use crate::provider::{Api, Unit};
 
 pub const OPENAI_PER_MESSAGE: u64 = 3;
 pub const OPENAI_PER_NAME: u64 = 1;
-pub const OPENAI_REPLY: u64 = 3;
 pub const OPENAI_PER_TOOL_CALL: u64 = 3;
 pub const OPENAI_PER_TOOL_DEF: u64 = 7;
-pub const OPENAI_TOOLS_END: u64 = 12;
 pub const ANTHROPIC_PER_MESSAGE: u64 = 3;
-pub const ANTHROPIC_REPLY: u64 = 3;
 pub const ANTHROPIC_PER_TOOL_USE: u64 = 3;
-pub const ANTHROPIC_TOOLS_SYSTEM: u64 = 346;
 pub const GEMINI_PER_CONTENT: u64 = 3;
-pub const GEMINI_REPLY: u64 = 3;
 pub const GEMINI_PER_CALL: u64 = 3;
 pub const OLLAMA_PER_MESSAGE: u64 = 4;
-pub const OLLAMA_REPLY: u64 = 5;
 pub const OLLAMA_PER_CALL: u64 = 3;
 
 /// A running count for one unit.

@@ -45,6 +45,13 @@ impl Provider for Anthropic {
         ];
         FIELDS
     }
+    /// The system prompt tool use adds, as Anthropic publishes it.
+    fn block_framing(&self, unit: Unit) -> u64 {
+        match unit {
+            Unit::AnthTool => 346,
+            _ => 0,
+        }
+    }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")
     }

@@ -141,6 +141,17 @@ pub enum Unit {
     OllamaImage,
 }
 
+impl Unit {
+    /// The unit a per-element field's value is counted as when it is not
+    /// an array (Responses `input` is a string or a list of items).
+    pub fn whole(self) -> Unit {
+        match self {
+            Unit::RespItem => Unit::RespInputText,
+            u => u,
+        }
+    }
+}
+
 /// What a counted field is to a conversation's identity (the fingerprint
 /// and the lane): its system prompt, its history, or neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -352,6 +363,18 @@ pub trait Provider: Send + Sync + 'static {
     /// the provider sees them (system first).
     fn counted_fields(&self) -> &'static [CountedField];
 
+    /// Tokens the provider's template adds to every request to open the
+    /// model's reply (the estimator's framing, `estimate/walk.rs`).
+    fn reply_framing(&self) -> u64 {
+        3
+    }
+
+    /// Tokens a block of this API's `unit`s costs once (a tool block's
+    /// wrapper), when the request holds any.
+    fn block_framing(&self, _unit: Unit) -> u64 {
+        0
+    }
+
     /// The request's cap on output tokens, for `--reserve-output`.
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64>;
 
@@ -381,11 +404,10 @@ pub trait Provider: Send + Sync + 'static {
 
     /// Framing of a response body, given its content type and whether the
     /// request asked for a stream.
-    fn framing(&self, content_type: Option<&str>, stream: bool) -> Framing {
+    fn framing(&self, content_type: Option<&str>, _stream: bool) -> Framing {
         match content_type {
             Some(ct) if ct.starts_with("text/event-stream") => Framing::Sse,
             Some(ct) if ct.starts_with("application/x-ndjson") => Framing::Ndjson,
-            _ if stream && self.api() == Api::Ollama => Framing::Ndjson,
             _ => Framing::Json,
         }
     }

@@ -40,6 +40,13 @@ impl Provider for OpenAiChat {
         ];
         FIELDS
     }
+    /// The cookbook's `num_tokens_for_tools`: 12 to close the tool block.
+    fn block_framing(&self, unit: Unit) -> u64 {
+        match unit {
+            Unit::ChatTool | Unit::ChatFunction => 12,
+            _ => 0,
+        }
+    }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_completion_tokens")
             .or_else(|| req.get("max_tokens"))

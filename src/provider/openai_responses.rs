@@ -55,6 +55,13 @@ impl Provider for OpenAiResponses {
         ];
         FIELDS
     }
+    /// As on chat completions: 12 to close the tool block.
+    fn block_framing(&self, unit: Unit) -> u64 {
+        match unit {
+            Unit::RespTool => 12,
+            _ => 0,
+        }
+    }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_output_tokens")
     }
