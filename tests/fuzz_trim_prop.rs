@@ -112,12 +112,7 @@ proptest! {
         split in 0usize..8,
     ) {
         let api = APIS[api];
-        // The earlier request: the first `split` turns plus the next question.
-        let split = split.min(turns.len() - 1);
-        let mut early: Vec<Turn> = turns[..split].to_vec();
-        early.push(Turn { steps: Vec::new(), answer: None, ..turns[split].clone() });
-        let body1 = render(api, &script(&early, bp), pretty);
-        let body2 = render(api, &script(&turns, bp), pretty);
+        let (body1, body2) = grown(api, &turns, split, bp, pretty);
         let need1 = (count(&body1) as f64 * frac1) as u64;
         let Some(t1) = trim(api, &body1, &count, need1, None) else { return Ok(()) };
         let need2 = (count(&body2) as f64 * frac2) as u64;
@@ -176,11 +171,7 @@ proptest! {
         split in 0usize..8,
     ) {
         let api = APIS[api];
-        let split = split.min(turns.len() - 1);
-        let mut early: Vec<Turn> = turns[..split].to_vec();
-        early.push(Turn { steps: Vec::new(), answer: None, ..turns[split].clone() });
-        let body1 = render(api, &script(&early, bp), pretty);
-        let body2 = render(api, &script(&turns, bp), pretty);
+        let (body1, body2) = grown(api, &turns, split, bp, pretty);
         let need1 = (tokens(api, &body1) as f64 * frac1) as u64;
         let t1 = compare(api, &body1, need1, need1, None)?;
         let need2 = (tokens(api, &body2) as f64 * frac2) as u64;
@@ -214,6 +205,20 @@ fn no_old_outputs(turns: &[Turn]) -> bool {
     turns[..turns.len() - 1]
         .iter()
         .all(|t| t.steps.iter().flatten().all(|&len| len < 1000))
+}
+
+/// An earlier request (the first `split` turns plus the next question)
+/// and the whole conversation, as one that grew.
+fn grown(api: Api, turns: &[Turn], split: usize, bp: usize, pretty: bool) -> (Vec<u8>, Vec<u8>) {
+    let split = split.min(turns.len() - 1);
+    let mut early: Vec<Turn> = turns[..split].to_vec();
+    early.push(Turn {
+        steps: Vec::new(),
+        answer: None,
+        ..turns[split].clone()
+    });
+    let body1 = render(api, &script(&early, bp), pretty);
+    (body1, render(api, &script(turns, bp), pretty))
 }
 
 /// One estimator for every case: its cache fills as a proxy's does.
