@@ -531,6 +531,33 @@ keys! {
     CHOICES = b"\"choices\"";
 }
 
+/// `f` of `model` lowercased (ASCII) with any router prefix stripped:
+/// `OpenAI/GPT-4o` -> `gpt-4o`. A name of up to 128 bytes is lowercased on
+/// the stack: this runs on every request, several times.
+pub fn with_base_name<R>(model: &str, f: impl FnOnce(&str) -> R) -> R {
+    let name = strip_prefix(model);
+    let mut buf = [0u8; 128];
+    match buf.get_mut(..name.len()) {
+        Some(b) => {
+            b.copy_from_slice(name.as_bytes());
+            b.make_ascii_lowercase();
+            // ASCII lowercasing keeps UTF-8 valid.
+            f(std::str::from_utf8(b).unwrap_or(name))
+        }
+        None => f(&name.to_ascii_lowercase()),
+    }
+}
+
+/// `models/gemini-2.5-pro` -> `gemini-2.5-pro`; `openai/gpt-4o` -> `gpt-4o`.
+fn strip_prefix(model: &str) -> &str {
+    // memchr's search, not str::rfind's (about 140 instructions a call on a
+    // short name, three calls a request).
+    match memchr::memrchr(b'/', model.as_bytes()) {
+        Some(i) => &model[i + 1..],
+        None => model,
+    }
+}
+
 /// A JSON object of the request's top-level members named in `keep`, their
 /// raw bytes unchanged (a counting endpoint takes a subset of the request).
 pub(crate) fn subset_object(req: &RequestView<'_>, keep: &[&str]) -> Vec<u8> {
