@@ -21,7 +21,7 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 use crate::json::text as json;
 use crate::json::{Raw, RequestView};
 pub use crate::provider::Unit;
-use crate::provider::{Api, Provider};
+use crate::provider::{Api, ImagePricing, Provider};
 use cache::{Cache, Counted};
 pub use classes::{Class, Classes, CLASSES};
 pub use tokenizer::Encoding;
@@ -395,8 +395,8 @@ fn unit_key_bytes(enc: Encoding, unit: Unit, image_class: u64, raw: &[u8]) -> u1
 
 /// How a model prices images, part of every cache key (its counts differ).
 fn image_class(api: Api, model: Option<&str>) -> u64 {
-    match api {
-        Api::OpenAiChat | Api::OpenAiResponses => images::openai_class(model),
+    match api.provider().image_pricing() {
+        ImagePricing::OpenAi => images::openai_class(model),
         _ => 0,
     }
 }

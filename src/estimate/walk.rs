@@ -22,7 +22,7 @@ use super::classes::{self, Class, Classes};
 use super::images::{self, Detail};
 use super::tokenizer::Encoding;
 use crate::json::text::{self as json, get, kind};
-use crate::provider::{Api, Unit};
+use crate::provider::{Api, ImagePricing, Unit};
 
 pub const OPENAI_PER_MESSAGE: u64 = 3;
 pub const OPENAI_PER_NAME: u64 = 1;
@@ -106,13 +106,11 @@ impl Ctx<'_> {
 
     fn image(&mut self, url: &str, detail: Detail) {
         let size = images::data_url_payload(url).and_then(images::sniff_base64);
-        let n = match self.api {
-            Api::Anthropic => images::anthropic_tokens(size),
-            Api::Gemini => images::gemini_tokens(size),
-            Api::Ollama => images::OLLAMA_IMAGE,
-            Api::OpenAiChat | Api::OpenAiResponses => {
-                images::openai_tokens(size, detail, self.model)
-            }
+        let n = match self.api.provider().image_pricing() {
+            ImagePricing::Anthropic => images::anthropic_tokens(size),
+            ImagePricing::Gemini => images::gemini_tokens(size),
+            ImagePricing::Flat => images::OLLAMA_IMAGE,
+            ImagePricing::OpenAi => images::openai_tokens(size, detail, self.model),
         };
         self.media(n);
     }

@@ -7,6 +7,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, number_after, session_budget_message,
     Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed, Part, PromptCache,
@@ -51,6 +52,9 @@ impl Provider for Anthropic {
             Unit::AnthTool => 346,
             _ => 0,
         }
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::Anthropic
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")

@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, field, has_member, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
     Part, PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
@@ -50,6 +51,9 @@ impl Provider for Gemini {
             field("contents", Unit::GemContent, true, Part::History),
         ];
         FIELDS
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::Gemini
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         let cfg: Value = req.get("generationConfig")?;

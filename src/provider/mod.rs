@@ -152,6 +152,20 @@ impl Unit {
     }
 }
 
+/// How an API prices an image in a prompt (the rules are the estimator's,
+/// `estimate/images.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImagePricing {
+    /// 512px tiles by `detail`, a base and a per-tile cost by model.
+    OpenAi,
+    /// Pixels over 750, the long edge scaled to 1568.
+    Anthropic,
+    /// 258 per tile of two thirds of the shorter side.
+    Gemini,
+    /// One figure whatever the size (local models vary).
+    Flat,
+}
+
 /// What a counted field is to a conversation's identity (the fingerprint
 /// and the lane): its system prompt, its history, or neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -362,6 +376,9 @@ pub trait Provider: Send + Sync + 'static {
     /// Top-level fields holding what the provider will count, in the order
     /// the provider sees them (system first).
     fn counted_fields(&self) -> &'static [CountedField];
+
+    /// How the API prices an image in a prompt.
+    fn image_pricing(&self) -> ImagePricing;
 
     /// Tokens the provider's template adds to every request to open the
     /// model's reply (the estimator's framing, `estimate/walk.rs`).

@@ -4,6 +4,7 @@ use std::ops::Range;
 
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, field, has_member, truthy, Api, CountedField, ErrorShape, Framing, GenAi, Node,
     Observed, Part, PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
@@ -46,6 +47,9 @@ impl Provider for Ollama {
         FIELDS
     }
     /// The Llama 3 template opens the reply with 5.
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::Flat
+    }
     fn reply_framing(&self) -> u64 {
         5
     }

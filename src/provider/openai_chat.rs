@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, last_valued, number_after,
     openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
@@ -46,6 +47,9 @@ impl Provider for OpenAiChat {
             Unit::ChatTool | Unit::ChatFunction => 12,
             _ => 0,
         }
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::OpenAi
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_completion_tokens")

@@ -7,6 +7,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape,
     GenAi, Node, Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED,
@@ -61,6 +62,9 @@ impl Provider for OpenAiResponses {
             Unit::RespTool => 12,
             _ => 0,
         }
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::OpenAi
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_output_tokens")
