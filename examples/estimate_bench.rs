@@ -11,7 +11,7 @@ use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
 use serde_json::json;
 use tidemark::estimate::{Encoding, Estimator};
-use tidemark::inspect::RequestView;
+use tidemark::json::RequestView;
 use tidemark::provider::Api;
 
 fn prose(i: usize) -> String {

@@ -17,7 +17,7 @@ fn main() {
         .unwrap_or(1000);
     let keep = Api::OpenAiChat.provider().reads();
     let read = (0..n)
-        .filter(|_| tidemark::pick::pick(std::hint::black_box(body), keep).is_some())
+        .filter(|_| tidemark::json::pick(std::hint::black_box(body), keep).is_some())
         .count();
     println!("{read} of {n} read");
 }

@@ -25,7 +25,7 @@ use tokio::sync::oneshot;
 
 use crate::config::Flags;
 use crate::estimate::Estimator;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::provider::Api;
 use crate::sim::{self, SimConfig, X_SIM_PROMPT_TOKENS};
 

@@ -5,7 +5,7 @@
 use bytes::BytesMut;
 use memchr::memmem;
 
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::provider::{CHOICES, USAGE};
 use crate::sse::MAX_EVENT_BYTES;
 

@@ -25,7 +25,7 @@
 //!    `decide`), except a warm-up (`generate: false`, Codex's first event
 //!    on every socket). What both sides share sits in `turn/`, below both:
 //!    the state, the phases, errors mapped to responses (`turn/error.rs`).
-//! 3. **Read** (`proxy/phases.rs::read`) and **inspect** (`inspect.rs`):
+//! 3. **Read** (`proxy/phases.rs::read`) and **inspect** (`json/view.rs`):
 //!    the body is read whole, capped at
 //!    `--max-body-bytes` (413 beyond), decoded if compressed, and scanned
 //!    once, strictly as serde_json would validate it, into a borrowed view of
@@ -65,8 +65,9 @@
 //! 6. **Decide** (`policy/decide.rs::decide`, carried out by
 //!    `proxy/phases.rs::decide`): session budget, then a `Verdict`: pass /
 //!    reject (in the provider's own error shape, `turn/error.rs`) / trim
-//!    (`policy/cut.rs`, `trim.rs`: turn-aware, sticky cut, re-projected
-//!    with the same ruler, rejected if still over).
+//!    (`policy/cut.rs`, `trim.rs`: turn-aware, sticky cut, each cut weighed
+//!    by its elements' cached counts, re-projected with the same ruler,
+//!    rejected if still over).
 //! 7. **Send** (`proxy/send.rs::send`; `upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
 //!    OpenAI chat usage option injected (`inject.rs`), connect and
 //!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
@@ -84,7 +85,7 @@
 //!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
 //!    that cannot carry usage, and builds for the provider only the members
 //!    it reads (`Provider::reads`), stepping over the rest by structure
-//!    alone (`pick.rs`). An injected stream loses on its way what the
+//!    alone (`json/pick.rs`). An injected stream loses on its way what the
 //!    option added (`inject.rs`), decoded first when the upstream
 //!    compressed it anyway (`usage.rs::BodyDecoder`).
 //!    An error response's body is copied on the side, bounded, for what
@@ -114,11 +115,10 @@ pub mod demo;
 pub mod estimate;
 pub mod h1;
 pub mod inject;
-pub mod inspect;
+pub mod json;
 pub mod metrics;
 pub mod otel;
 pub mod page;
-pub mod pick;
 pub mod policy;
 pub mod pool;
 pub mod provider;

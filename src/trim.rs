@@ -35,17 +35,17 @@
 //! thus keeps its forwarded prefix byte-identical and provider prompt caches
 //! survive.
 
+use std::cell::OnceCell;
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-use crate::provider::Api;
+use crate::estimate::{Estimate, Estimator, Part, Parts};
+use crate::json::{skip_ws, RequestView};
+use crate::provider::{Api, Element, Provider};
 
 /// Tool outputs at or below this many JSON bytes are not worth eliding: the
 /// marker itself costs about fifty.
 pub const ELIDE_MIN_BYTES: usize = 1024;
-
-/// Anthropic accepts at most this many `cache_control` breakpoints per request.
-pub const MAX_CACHE_BREAKPOINTS: usize = 4;
 
 /// Where a session's conversation was cut, remembered so the next request is
 /// cut at the same place.
@@ -75,12 +75,14 @@ pub struct Trimmed {
 
 /// Trim `body` (a request of `api`) until `count(body) <= need`.
 ///
-/// `count` is the caller's ruler (the session's anchored projection), `need`
-/// the target (`trim-to * window`), `prior` the session's last cut. `None`
-/// when the body is not a conversation this module understands (not JSON, a
-/// Responses string `input`, no user message) or when nothing can be
-/// removed. `Some` may still be over `need`: the caller re-projects and
-/// rejects; but a returned body is always shorter than `body`.
+/// `count` is any ruler of whole bodies, `need` the target, `prior` the
+/// session's last cut. `None` when the body is not a conversation this
+/// module understands (not JSON, a Responses string `input`, no user
+/// message) or when nothing can be removed. `Some` may still be over
+/// `need`: the caller re-projects and rejects; but a returned body is
+/// always shorter than `body`. Each cut weighed is rendered and handed to
+/// `count`; the proxy weighs cuts by their parts instead
+/// ([`trim_estimated`]).
 pub fn trim(
     api: Api,
     body: &[u8],
@@ -105,58 +107,46 @@ pub fn trim_sticky(
     keep: u64,
     prior: Option<&Cut>,
 ) -> Option<Trimmed> {
-    let conv = Conv::parse(api, body)?;
-    let mut st = State {
-        k: conv.head,
-        elided: BTreeSet::new(),
-    };
-    let under = |st: &State| count(&conv.render(st)) <= need;
-
-    if let Some(p) = prior {
-        if p.prefix_hash == conv.head_hash
-            && (p.dropped_until == conv.head
-                || conv.cuts.contains(&p.dropped_until)
-                || conv.step_cuts.contains(&p.dropped_until))
-        {
-            st.k = p.dropped_until;
-            st.elided = p
-                .elided
-                .iter()
-                .copied()
-                .filter(|&i| i >= st.k && conv.elidable(i))
-                .collect();
-            if count(&conv.render(&st)) <= keep.max(need) {
-                return conv.finish(st);
-            }
-        }
-    }
-
-    if !under(&st) {
-        // Step 1: old oversized tool results, oldest first, outside the newest turn.
-        let old: Vec<usize> = (st.k..conv.newest_turn)
-            .filter(|&i| conv.elidable(i) && !st.elided.contains(&i))
-            .collect();
-        elide_until(&mut st, &old, &under);
-    }
-    if !under(&st) {
-        // Step 2: drop the oldest complete turns.
-        drop_until(&mut st, &conv.cuts, &under);
-    }
-    if !under(&st) {
-        // Step 3: tool results of the newest turn the model has already acted
-        // on (everything before its last tool step), oldest first.
-        let recent: Vec<usize> = (st.k.max(conv.newest_turn)..conv.last_step)
-            .filter(|&i| conv.elidable(i) && !st.elided.contains(&i))
-            .collect();
-        elide_until(&mut st, &recent, &under);
-    }
-    if !under(&st) {
-        // Step 4: a single long agent loop (the first user message is the
-        // only one) has no turns to drop; drop its oldest tool steps instead.
-        drop_until(&mut st, &conv.step_cuts, &under);
-    }
-
+    let view = RequestView::parse(body)?;
+    let conv = Conv::new(api.provider(), &view)?;
+    let st = conv.search(&|st| count(&conv.render(st)), need, keep, prior);
     conv.finish(st)
+}
+
+/// [`trim_sticky`] with the estimator as the ruler, on the request's
+/// scanned view: each cut weighed is the sum of its elements' cached
+/// counts (`Estimator::parts`), not a body rendered and estimated again;
+/// the body is rendered once, at the end. `measure` turns an estimate into
+/// the caller's tokens (the session's anchored projection). Returns the
+/// trim and its estimate, which is what estimating the trimmed body gives.
+#[allow(clippy::too_many_arguments)]
+pub fn trim_estimated(
+    est: &Estimator,
+    api: Api,
+    view: &RequestView<'_>,
+    model: Option<&str>,
+    measure: &dyn Fn(&Estimate) -> u64,
+    need: u64,
+    keep: u64,
+    prior: Option<&Cut>,
+) -> Option<(Trimmed, Estimate)> {
+    let p = api.provider();
+    let conv = Conv::new(p, view)?;
+    // The model as `Estimator::estimate_body` finds it.
+    let named = view.str("model");
+    let parts = est.parts(p, view, model.or(named.as_deref()))?;
+    let counts = Counts {
+        elided: (0..conv.elems.len()).map(|_| OnceCell::new()).collect(),
+        parts,
+    };
+    let st = conv.search(
+        &|st| measure(&conv.estimate(st, &counts)),
+        need,
+        keep,
+        prior,
+    );
+    let e = conv.estimate(&st, &counts);
+    Some((conv.finish(st)?, e))
 }
 
 /// Move the cut to the first of `cuts` beyond the current one that gets
@@ -213,30 +203,34 @@ struct State {
 /// One element of the conversation array.
 struct Elem {
     range: Range<usize>,
-    turn_start: bool,
-    /// A user message (tool results included): needs a gap marker before it
-    /// where roles must alternate.
-    user: bool,
-    /// Produced by the model (assistant / model message, Responses output
-    /// item): a tool step may start here.
-    assistant: bool,
-    /// A Responses reasoning item, which must stay with the item after it.
-    reasoning: bool,
-    /// Tool call ids this element issues.
-    calls: Vec<String>,
-    /// Tool call ids whose results this element carries (`None`: no id, as in
-    /// Ollama or Gemini without ids; bound to the nearest preceding call).
-    results: Vec<Option<String>>,
+    /// What it is to a conversation, as its provider reads it.
+    e: Element,
     /// Splices that elide this element's oversized tool outputs.
     elide: Vec<(Range<usize>, Vec<u8>)>,
-    /// Anthropic `cache_control` breakpoints in the element, and how many of
-    /// them sit inside the outputs that elision removes.
+    /// Prompt-cache breakpoints in the element (`Provider::cache_breakpoints`),
+    /// and how many of them sit inside the outputs that elision removes.
     breakpoints: usize,
     elided_breakpoints: usize,
 }
 
+/// A piece of a trimmed body, in order: bytes of the original between
+/// elements, a kept element as the state has it, or text the original did
+/// not hold (a gap marker, an element without some breakpoints).
+enum Piece<'b> {
+    Glue(&'b [u8]),
+    Elem(usize),
+    New(Vec<u8>),
+}
+
+/// The estimator's counts of a conversation's elements, for weighing cuts.
+struct Counts<'e> {
+    parts: Parts<'e>,
+    /// Element `i` with its outputs elided, counted when first weighed.
+    elided: Vec<OnceCell<Part>>,
+}
+
 struct Conv<'a> {
-    api: Api,
+    p: &'static dyn Provider,
     body: &'a [u8],
     elems: Vec<Elem>,
     /// `head_len`: elements `[0, head)` are always kept.
@@ -250,31 +244,41 @@ struct Conv<'a> {
     newest_turn: usize,
     /// Index of the newest turn's last tool step (never elided).
     last_step: usize,
-    /// `cache_control` breakpoints outside the conversation array.
+    /// Prompt-cache breakpoints outside the conversation array, and the
+    /// member and most of them (`Provider::cache_breakpoints`).
     fixed_breakpoints: usize,
+    breakpoint: Option<(&'static str, usize)>,
 }
 
 impl<'a> Conv<'a> {
-    fn parse(api: Api, body: &'a [u8]) -> Option<Conv<'a>> {
-        // serde's `from_slice` skips strings without checking their UTF-8,
-        // so a body with a stray byte inside a string would pass and be
-        // trimmed; it must be refused and forwarded untouched.
-        let text = simdutf8::basic::from_utf8(body).ok()?;
-        serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
-        let top = Obj::parse(body, 0..body.len())?;
-        let key = match api {
-            Api::OpenAiChat | Api::Ollama | Api::Anthropic => "messages",
-            Api::OpenAiResponses => "input",
-            Api::Gemini => "contents",
-        };
-        let arr = top.get(key)?;
-        let ranges = elements(body, arr)?;
-        let mut elems = Vec::with_capacity(ranges.len());
-        for r in ranges {
-            elems.push(Elem::parse(api, body, r)?);
+    /// The conversation of a scanned request: its history's elements as
+    /// the view found them, read by the provider.
+    fn new(p: &'static dyn Provider, view: &RequestView<'a>) -> Option<Conv<'a>> {
+        let body = view.body;
+        let history = crate::provider::history(p)?;
+        let raws = view.elements(history.name)?;
+        let breakpoint = p.cache_breakpoints();
+        let count_bp = |json: &[u8]| breakpoint.map_or(0, |(m, _)| breakpoints(m, json));
+        let mut elems = Vec::with_capacity(raws.len());
+        for raw in raws {
+            let range = view.span(*raw);
+            let e = p.element(body, range.clone())?;
+            let elide: Vec<(Range<usize>, Vec<u8>)> = e
+                .outputs
+                .iter()
+                .filter(|r| r.len() > ELIDE_MIN_BYTES)
+                .map(|r| (r.clone(), p.elided(r.len())))
+                .collect();
+            elems.push(Elem {
+                breakpoints: count_bp(&body[range.clone()]),
+                elided_breakpoints: elide.iter().map(|(r, _)| count_bp(&body[r.clone()])).sum(),
+                range,
+                e,
+                elide,
+            });
         }
         let n = elems.len();
-        let first_user = elems.iter().position(|e| e.turn_start)?;
+        let first_user = elems.iter().position(|e| e.e.turn_start)?;
         let head = first_user + 1;
         let mut h = Fnv::new();
         for e in &elems[..head] {
@@ -288,34 +292,33 @@ impl<'a> Conv<'a> {
                 .all(|&(a, b)| (head..k).contains(&a) == (head..k).contains(&b))
         };
         let cuts = (head + 1..n)
-            .filter(|&k| elems[k].turn_start && whole(k))
+            .filter(|&k| elems[k].e.turn_start && whole(k))
             .collect();
         // Steps are only dropped from the first user's turn: a later user
         // message is never dropped while the work it asked for is kept.
         let first_turn_end = cuts_end(&elems, head);
         let step_cuts = (head + 1..first_turn_end.min(n))
-            .filter(|&k| elems[k].assistant && !elems[k - 1].reasoning && whole(k))
+            .filter(|&k| elems[k].e.assistant && !elems[k - 1].e.reasoning && whole(k))
             .collect();
         let newest_turn = (0..n)
             .rev()
-            .find(|&i| elems[i].turn_start)
+            .find(|&i| elems[i].e.turn_start)
             .unwrap_or(0)
             .max(head);
         let last_step = (newest_turn..n)
             .rev()
-            .find(|&i| !elems[i].calls.is_empty())
+            .find(|&i| !elems[i].e.calls.is_empty())
             .unwrap_or(n.saturating_sub(1));
-        let fixed_breakpoints = if api == Api::Anthropic {
-            ["system", "tools"]
-                .iter()
-                .filter_map(|k| top.get(k))
-                .map(|r| breakpoints(&body[r]))
-                .sum()
-        } else {
-            0
-        };
+        // The other counted fields (system prompt, tools) hold the rest.
+        let fixed_breakpoints = p
+            .counted_fields()
+            .iter()
+            .filter(|f| f.name != history.name)
+            .filter_map(|f| view.raw(f.name))
+            .map(|r| count_bp(r.get().as_bytes()))
+            .sum();
         Some(Conv {
-            api,
+            p,
             body,
             elems,
             head,
@@ -325,7 +328,69 @@ impl<'a> Conv<'a> {
             newest_turn,
             last_step,
             fixed_breakpoints,
+            breakpoint,
         })
+    }
+
+    /// The cut for `need` (and `keep`, see [`trim_sticky`]): `prior` first,
+    /// then each step while `size` is still over.
+    fn search(
+        &self,
+        size: &dyn Fn(&State) -> u64,
+        need: u64,
+        keep: u64,
+        prior: Option<&Cut>,
+    ) -> State {
+        let mut st = State {
+            k: self.head,
+            elided: BTreeSet::new(),
+        };
+        let under = |st: &State| size(st) <= need;
+
+        if let Some(p) = prior {
+            if p.prefix_hash == self.head_hash
+                && (p.dropped_until == self.head
+                    || self.cuts.contains(&p.dropped_until)
+                    || self.step_cuts.contains(&p.dropped_until))
+            {
+                st.k = p.dropped_until;
+                st.elided = p
+                    .elided
+                    .iter()
+                    .copied()
+                    .filter(|&i| i >= st.k && self.elidable(i))
+                    .collect();
+                if size(&st) <= keep.max(need) {
+                    return st;
+                }
+            }
+        }
+
+        if !under(&st) {
+            // Step 1: old oversized tool results, oldest first, outside the newest turn.
+            let old: Vec<usize> = (st.k..self.newest_turn)
+                .filter(|&i| self.elidable(i) && !st.elided.contains(&i))
+                .collect();
+            elide_until(&mut st, &old, &under);
+        }
+        if !under(&st) {
+            // Step 2: drop the oldest complete turns.
+            drop_until(&mut st, &self.cuts, &under);
+        }
+        if !under(&st) {
+            // Step 3: tool results of the newest turn the model has already acted
+            // on (everything before its last tool step), oldest first.
+            let recent: Vec<usize> = (st.k.max(self.newest_turn)..self.last_step)
+                .filter(|&i| self.elidable(i) && !st.elided.contains(&i))
+                .collect();
+            elide_until(&mut st, &recent, &under);
+        }
+        if !under(&st) {
+            // Step 4: a single long agent loop (the first user message is the
+            // only one) has no turns to drop; drop its oldest tool steps instead.
+            drop_until(&mut st, &self.step_cuts, &under);
+        }
+        st
     }
 
     /// May element `i` have its tool outputs elided? Never the head, never the
@@ -344,7 +409,7 @@ impl<'a> Conv<'a> {
             return None;
         }
         // The rest of the first user's turn counts as one when it goes.
-        let partial = st.k > self.head && !self.elems[self.head].turn_start;
+        let partial = st.k > self.head && !self.elems[self.head].e.turn_start;
         let turns = (self.turn_starts_in(self.head..st.k) + usize::from(partial)) as u32;
         let tool_results = st
             .elided
@@ -364,7 +429,7 @@ impl<'a> Conv<'a> {
     }
 
     fn turn_starts_in(&self, r: Range<usize>) -> usize {
-        self.elems[r].iter().filter(|e| e.turn_start).count()
+        self.elems[r].iter().filter(|e| e.e.turn_start).count()
     }
 
     /// Append element `i` as `st` has it: its own bytes, outputs elided.
@@ -385,6 +450,36 @@ impl<'a> Conv<'a> {
 
     /// The request with state `st` applied, spliced from the original text.
     fn render(&self, st: &State) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.body.len());
+        self.layout(st, &mut |piece| match piece {
+            Piece::Glue(b) => out.extend_from_slice(b),
+            Piece::Elem(i) => self.write_elem(&mut out, i, st),
+            Piece::New(b) => out.extend_from_slice(&b),
+        });
+        out
+    }
+
+    /// The estimate of the request with state `st` applied, from the
+    /// elements' counts: what estimating [`Conv::render`]'s body gives.
+    fn estimate(&self, st: &State, counts: &Counts<'_>) -> Estimate {
+        let mut kept = Vec::with_capacity(self.elems.len() + 1);
+        self.layout(st, &mut |piece| match piece {
+            Piece::Glue(_) => {}
+            Piece::Elem(i) if st.elided.contains(&i) => {
+                kept.push(*counts.elided[i].get_or_init(|| {
+                    let mut own = Vec::new();
+                    self.write_elem(&mut own, i, st);
+                    counts.parts.count(&String::from_utf8_lossy(&own))
+                }))
+            }
+            Piece::Elem(i) => kept.push(counts.parts.element(i)),
+            Piece::New(b) => kept.push(counts.parts.count(&String::from_utf8_lossy(&b))),
+        });
+        counts.parts.total(kept)
+    }
+
+    /// The pieces of the request with state `st` applied, in order.
+    fn layout(&self, st: &State, emit: &mut dyn FnMut(Piece<'a>)) {
         let b = self.body;
         let n = self.elems.len();
         let kept = (0..self.head).chain(st.k.max(self.head)..n);
@@ -397,188 +492,54 @@ impl<'a> Conv<'a> {
                     0
                 }
         };
-        // Anthropic: breakpoints beyond four go, oldest kept blocks first.
-        let mut extra = (self.fixed_breakpoints + kept.clone().map(bp).sum::<usize>())
-            .saturating_sub(MAX_CACHE_BREAKPOINTS);
-        let mut out = Vec::with_capacity(b.len());
-        out.extend_from_slice(&b[..self.elems[0].range.start]);
+        // Breakpoints beyond what the API accepts go, oldest kept blocks first.
+        let mut extra = self.breakpoint.map_or(0, |(_, most)| {
+            (self.fixed_breakpoints + kept.clone().map(bp).sum::<usize>()).saturating_sub(most)
+        });
+        emit(Piece::Glue(&b[..self.elems[0].range.start]));
         let mut prev: Option<usize> = None;
         for i in kept {
             match prev {
-                Some(p) if p + 1 == i => {
-                    out.extend_from_slice(&b[self.elems[p].range.end..self.elems[i].range.start])
-                }
+                Some(p) if p + 1 == i => emit(Piece::Glue(
+                    &b[self.elems[p].range.end..self.elems[i].range.start],
+                )),
                 Some(p) => {
-                    out.push(b',');
-                    if let Some(m) = self.gap_marker(i - p - 1).filter(|_| self.elems[i].user) {
-                        out.extend_from_slice(&m);
-                        out.push(b',');
+                    emit(Piece::Glue(b","));
+                    if let Some(m) = self
+                        .p
+                        .gap_marker(i - p - 1)
+                        .filter(|_| self.elems[i].e.user)
+                    {
+                        emit(Piece::New(m));
+                        emit(Piece::Glue(b","));
                     }
                 }
                 None => {}
             }
             prev = Some(i);
             let have = bp(i);
-            if extra > 0 && have > 0 {
+            if let Some((member, _)) = self.breakpoint.filter(|_| extra > 0 && have > 0) {
                 let mut own = Vec::new();
                 self.write_elem(&mut own, i, st);
                 if let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(&own) {
-                    let removed = strip_breakpoints(&mut v, extra.min(have));
+                    let removed = strip_breakpoints(&mut v, member, extra.min(have));
                     if let Ok(s) = serde_json::to_vec(&v) {
-                        out.extend_from_slice(&s);
+                        emit(Piece::New(s));
                         extra -= removed;
                         continue;
                     }
                 }
             }
-            self.write_elem(&mut out, i, st);
+            emit(Piece::Elem(i));
         }
-        out.extend_from_slice(&b[self.elems[n - 1].range.end..]);
-        out
-    }
-
-    /// The synthetic message that keeps role alternation across a gap of
-    /// `dropped` elements before a user message, for the APIs that need it.
-    fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
-        let text = format!("[tidemark: {dropped} earlier messages omitted]");
-        let v = match self.api {
-            Api::Anthropic => serde_json::json!({"role": "assistant", "content": text}),
-            Api::Gemini => serde_json::json!({"role": "model", "parts": [{"text": text}]}),
-            _ => return None,
-        };
-        serde_json::to_vec(&v).ok()
-    }
-}
-
-/// The marker that replaces an elided tool output, as a JSON string.
-fn marker(bytes: usize) -> Vec<u8> {
-    format!("\"[tidemark: elided {bytes} bytes of tool output]\"").into_bytes()
-}
-
-impl Elem {
-    fn parse(api: Api, b: &[u8], range: Range<usize>) -> Option<Elem> {
-        let o = Obj::parse(b, range.clone())?;
-        let role = o.str("role");
-        let mut e = Elem {
-            range,
-            turn_start: false,
-            user: role.as_deref() == Some("user"),
-            assistant: role.as_deref() == Some("assistant"),
-            reasoning: false,
-            calls: Vec::new(),
-            results: Vec::new(),
-            elide: Vec::new(),
-            breakpoints: 0,
-            elided_breakpoints: 0,
-        };
-        let oversized = |r: &Range<usize>| r.len() > ELIDE_MIN_BYTES;
-        match api {
-            Api::OpenAiChat | Api::Ollama => {
-                e.turn_start = role.as_deref() == Some("user");
-                if let Some(tc) = o.get("tool_calls") {
-                    for r in elements(b, tc).unwrap_or_default() {
-                        let id = Obj::parse(b, r).and_then(|c| c.str("id"));
-                        e.calls.push(id.unwrap_or_default());
-                    }
-                }
-                if role.as_deref() == Some("tool") {
-                    e.results.push(o.str("tool_call_id"));
-                    if let Some(c) = o.get("content").filter(oversized) {
-                        e.elide.push((c.clone(), marker(c.len())));
-                    }
-                }
-            }
-            Api::Anthropic => {
-                let blocks = o
-                    .get("content")
-                    .filter(|r| b.get(r.start) == Some(&b'['))
-                    .and_then(|r| elements(b, r))
-                    .unwrap_or_default();
-                for r in blocks {
-                    let Some(blk) = Obj::parse(b, r) else {
-                        continue;
-                    };
-                    match blk.str("type").as_deref() {
-                        Some("tool_use") => e.calls.push(blk.str("id").unwrap_or_default()),
-                        Some("tool_result") => {
-                            e.results.push(blk.str("tool_use_id"));
-                            if let Some(c) = blk.get("content").filter(oversized) {
-                                e.elide.push((c.clone(), marker(c.len())));
-                            }
-                        }
-                        _ => {}
-                    }
-                }
-                e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
-                e.breakpoints = breakpoints(&b[e.range.clone()]);
-                e.elided_breakpoints = e
-                    .elide
-                    .iter()
-                    .map(|(r, _)| breakpoints(&b[r.clone()]))
-                    .sum();
-            }
-            Api::OpenAiResponses => {
-                let ty = o.str("type");
-                let is_msg = ty.as_deref().map_or(true, |t| t == "message");
-                e.turn_start = is_msg && role.as_deref() == Some("user");
-                e.reasoning = ty.as_deref() == Some("reasoning");
-                e.assistant = match ty.as_deref() {
-                    None | Some("message") => role.as_deref() == Some("assistant"),
-                    Some(t) => {
-                        t == "reasoning" || (t.ends_with("_call") && !t.ends_with("_output"))
-                    }
-                };
-                if let (Some(id), Some(t)) = (o.str("call_id"), ty.as_deref()) {
-                    if t.ends_with("_output") {
-                        e.results.push(Some(id));
-                        if t == "function_call_output" || t == "custom_tool_call_output" {
-                            if let Some(c) = o.get("output").filter(oversized) {
-                                e.elide.push((c.clone(), marker(c.len())));
-                            }
-                        }
-                    } else {
-                        e.calls.push(id);
-                    }
-                }
-            }
-            Api::Gemini => {
-                let parts = o
-                    .get("parts")
-                    .and_then(|r| elements(b, r))
-                    .unwrap_or_default();
-                for r in parts {
-                    let Some(p) = Obj::parse(b, r) else { continue };
-                    if let Some(fc) = p.get("functionCall") {
-                        let id = Obj::parse(b, fc).and_then(|f| f.str("id"));
-                        e.calls.push(id.unwrap_or_default());
-                    }
-                    if let Some(fr) = p.get("functionResponse") {
-                        let f = Obj::parse(b, fr);
-                        e.results.push(f.as_ref().and_then(|f| f.str("id")));
-                        if let Some(c) = f.and_then(|f| f.get("response")).filter(oversized) {
-                            let text =
-                                format!("[tidemark: elided {} bytes of tool output]", c.len());
-                            let rep = serde_json::to_vec(&serde_json::json!({ "content": text }))
-                                .unwrap_or_default();
-                            e.elide.push((c, rep));
-                        }
-                    }
-                }
-                // Gemini's role is optional and defaults to user.
-                e.user = role.as_deref().map_or(true, |r| r == "user");
-                e.assistant = role.as_deref() == Some("model");
-                e.turn_start =
-                    role.as_deref().map_or(true, |r| r == "user") && e.results.is_empty();
-            }
-        }
-        Some(e)
+        emit(Piece::Glue(&b[self.elems[n - 1].range.end..]));
     }
 }
 
 /// Index of the first turn start at or after `from` (`elems.len()` if none).
 fn cuts_end(elems: &[Elem], from: usize) -> usize {
     (from..elems.len())
-        .find(|&i| elems[i].turn_start)
+        .find(|&i| elems[i].e.turn_start)
         .unwrap_or(elems.len())
 }
 
@@ -587,13 +548,13 @@ fn cuts_end(elems: &[Elem], from: usize) -> usize {
 fn pairs(elems: &[Elem]) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     for (b, e) in elems.iter().enumerate() {
-        for id in &e.results {
+        for id in &e.e.results {
             let by_id = id.as_ref().and_then(|id| {
                 (0..b)
                     .rev()
-                    .find(|&a| elems[a].calls.iter().any(|c| c == id))
+                    .find(|&a| elems[a].e.calls.iter().any(|c| c == id))
             });
-            let a = by_id.or_else(|| (0..b).rev().find(|&a| !elems[a].calls.is_empty()));
+            let a = by_id.or_else(|| (0..b).rev().find(|&a| !elems[a].e.calls.is_empty()));
             if let Some(a) = a {
                 out.push((a, b));
             }
@@ -602,35 +563,36 @@ fn pairs(elems: &[Elem]) -> Vec<(usize, usize)> {
     out
 }
 
-/// `cache_control` members with a non-null value in a JSON text. The byte
-/// sequence `"cache_control"` followed by `:` can only be a key: inside a
-/// string every quote is escaped.
-fn breakpoints(json: &[u8]) -> usize {
-    const PAT: &[u8] = b"\"cache_control\"";
-    memchr::memmem::find_iter(json, PAT)
+/// Members named `member` with a non-null value in a JSON text. The byte
+/// sequence `"member"` followed by `:` can only be a key: inside a string
+/// every quote is escaped.
+fn breakpoints(member: &str, json: &[u8]) -> usize {
+    let pat = format!("\"{member}\"");
+    let pat = pat.as_bytes();
+    memchr::memmem::find_iter(json, pat)
         .filter(|&at| {
-            let i = skip_ws(json, at + PAT.len());
+            let i = skip_ws(json, at + pat.len());
             json.get(i) == Some(&b':') && !json[skip_ws(json, i + 1)..].starts_with(b"null")
         })
         .count()
 }
 
-/// Remove up to `n` `cache_control` members, depth first in document order;
+/// Remove up to `n` `member` members, depth first in document order;
 /// returns how many were removed.
-fn strip_breakpoints(v: &mut serde_json::Value, n: usize) -> usize {
+fn strip_breakpoints(v: &mut serde_json::Value, member: &str, n: usize) -> usize {
     use serde_json::Value;
     let mut removed = 0;
     match v {
         Value::Object(m) => {
-            if n > 0 && m.get("cache_control").is_some_and(|c| !c.is_null()) {
-                m.remove("cache_control");
+            if n > 0 && m.get(member).is_some_and(|c| !c.is_null()) {
+                m.remove(member);
                 removed += 1;
             }
             for (_, c) in m.iter_mut() {
                 if removed == n {
                     break;
                 }
-                removed += strip_breakpoints(c, n - removed);
+                removed += strip_breakpoints(c, member, n - removed);
             }
         }
         Value::Array(a) => {
@@ -638,7 +600,7 @@ fn strip_breakpoints(v: &mut serde_json::Value, n: usize) -> usize {
                 if removed == n {
                     break;
                 }
-                removed += strip_breakpoints(c, n - removed);
+                removed += strip_breakpoints(c, member, n - removed);
             }
         }
         _ => {}
@@ -661,159 +623,13 @@ impl Fnv {
     }
 }
 
-// ---- a minimal scanner over JSON text already validated by serde_json ----
-
-/// A JSON object's members: decoded key and the byte range of the value.
-struct Obj<'a> {
-    b: &'a [u8],
-    members: Vec<(String, Range<usize>)>,
-}
-
-impl<'a> Obj<'a> {
-    fn parse(b: &'a [u8], r: Range<usize>) -> Option<Obj<'a>> {
-        let mut i = skip_ws(b, r.start);
-        if b.get(i) != Some(&b'{') {
-            return None;
-        }
-        i = skip_ws(b, i + 1);
-        let mut members = Vec::new();
-        if b.get(i) == Some(&b'}') {
-            return Some(Obj { b, members });
-        }
-        loop {
-            let ke = string_end(b, i)?;
-            let key: String = serde_json::from_slice(b.get(i..ke)?).ok()?;
-            i = skip_ws(b, ke);
-            if b.get(i) != Some(&b':') {
-                return None;
-            }
-            let vs = skip_ws(b, i + 1);
-            let ve = value_end(b, vs)?;
-            members.push((key, vs..ve));
-            i = skip_ws(b, ve);
-            match b.get(i)? {
-                b',' => i = skip_ws(b, i + 1),
-                b'}' => return Some(Obj { b, members }),
-                _ => return None,
-            }
-        }
-    }
-
-    /// The value range of the last member named `key` (as serde does).
-    fn get(&self, key: &str) -> Option<Range<usize>> {
-        self.members
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, r)| r.clone())
-    }
-
-    fn str(&self, key: &str) -> Option<String> {
-        serde_json::from_slice(self.b.get(self.get(key)?)?).ok()
-    }
-}
-
-/// The value ranges of a JSON array's elements; `None` if `r` is not an array.
-fn elements(b: &[u8], r: Range<usize>) -> Option<Vec<Range<usize>>> {
-    let mut i = skip_ws(b, r.start);
-    if b.get(i) != Some(&b'[') {
-        return None;
-    }
-    i = skip_ws(b, i + 1);
-    let mut out = Vec::new();
-    if b.get(i) == Some(&b']') {
-        return Some(out);
-    }
-    loop {
-        let e = value_end(b, i)?;
-        out.push(i..e);
-        i = skip_ws(b, e);
-        match b.get(i)? {
-            b',' => i = skip_ws(b, i + 1),
-            b']' => return Some(out),
-            _ => return None,
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-        i += 1;
-    }
-    i
-}
-
-/// End (exclusive) of the string starting at `b[i] == '"'`.
-fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    if b.get(i) != Some(&b'"') {
-        return None;
-    }
-    let mut j = i + 1;
-    loop {
-        match b.get(j)? {
-            b'\\' => j += 2,
-            b'"' => return Some(j + 1),
-            _ => j += 1,
-        }
-    }
-}
-
-/// End (exclusive) of the JSON value starting at `i`.
-fn value_end(b: &[u8], i: usize) -> Option<usize> {
-    match b.get(i)? {
-        b'"' => string_end(b, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            loop {
-                match b.get(j)? {
-                    b'"' => {
-                        j = string_end(b, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth = depth.checked_sub(1)?;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-        }
-        _ => {
-            let mut j = i;
-            while let Some(c) = b.get(j) {
-                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                j += 1;
-            }
-            (j > i).then_some(j)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn scanner_finds_members_and_elements() {
-        let b = br#" { "a" : [1, "x\"]", {"b":null} ] , "c":true }"#;
-        let o = Obj::parse(b, 0..b.len()).unwrap();
-        assert_eq!(o.members.len(), 2);
-        let els = elements(b, o.get("a").unwrap()).unwrap();
-        let texts: Vec<&[u8]> = els.iter().map(|r| &b[r.clone()]).collect();
-        assert_eq!(texts, vec![&b"1"[..], br#""x\"]""#, br#"{"b":null}"#]);
-        assert_eq!(&b[o.get("c").unwrap()], b"true");
-    }
-
-    #[test]
     fn breakpoints_ignore_strings_and_nulls() {
         let j = br#"[{"cache_control":{"type":"ephemeral"}},{"cache_control" : null},{"t":"\"cache_control\": x"}]"#;
-        assert_eq!(breakpoints(j), 1);
+        assert_eq!(breakpoints("cache_control", j), 1);
     }
 }

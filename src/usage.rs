@@ -6,7 +6,8 @@ use std::io::Write;
 
 use bytes::Bytes;
 
-use crate::provider::{Framing, Node, Observed, Provider};
+use crate::json::Node;
+use crate::provider::{Framing, Observed, Provider};
 use crate::sse::{Event, SseScanner, MAX_EVENT_BYTES};
 
 /// Largest non-stream body copied for parsing at the end.
@@ -523,9 +524,9 @@ fn json_document(p: &'static dyn Provider, body: &[u8], acc: &mut Observed, erro
 
 /// Parse an event, line or body into a [`Node`] holding only the members the
 /// provider [reads](Provider::reads); the rest is stepped over by its
-/// structure without building anything (see [`crate::pick`]).
+/// structure without building anything (see [`crate::json::pick`]).
 fn parse_read(p: &dyn Provider, bytes: &[u8]) -> Option<Node> {
-    crate::pick::pick(bytes, p.reads())
+    crate::json::pick(bytes, p.reads())
 }
 
 #[cfg(test)]

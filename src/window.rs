@@ -85,32 +85,7 @@ pub fn table_window(model: &str) -> Option<u64> {
     })
 }
 
-/// `f` of `model` lowercased (ASCII) with any router prefix stripped:
-/// `OpenAI/GPT-4o` -> `gpt-4o`. A name of up to 128 bytes is lowercased on
-/// the stack: this runs on every request, several times.
-pub fn with_base_name<R>(model: &str, f: impl FnOnce(&str) -> R) -> R {
-    let name = strip_prefix(model);
-    let mut buf = [0u8; 128];
-    match buf.get_mut(..name.len()) {
-        Some(b) => {
-            b.copy_from_slice(name.as_bytes());
-            b.make_ascii_lowercase();
-            // ASCII lowercasing keeps UTF-8 valid.
-            f(std::str::from_utf8(b).unwrap_or(name))
-        }
-        None => f(&name.to_ascii_lowercase()),
-    }
-}
-
-/// `models/gemini-2.5-pro` -> `gemini-2.5-pro`; `openai/gpt-4o` -> `gpt-4o`.
-fn strip_prefix(model: &str) -> &str {
-    // memchr's search, not str::rfind's (about 140 instructions a call on a
-    // short name, three calls a request).
-    match memchr::memrchr(b'/', model.as_bytes()) {
-        Some(i) => &model[i + 1..],
-        None => model,
-    }
-}
+pub use crate::provider::with_base_name;
 
 /// Whole-string glob match where `*` matches any run (possibly empty) of
 /// characters and everything else matches itself.

@@ -8,7 +8,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tidemark::estimate::Estimator;
-use tidemark::inspect::RequestView;
+use tidemark::json::RequestView;
 use tidemark::provider::Api;
 use tidemark::sim::{count_prompt, SimApi};
 use tokio::io::{AsyncBufReadExt, BufReader};

@@ -6,7 +6,7 @@ use base64::Engine as _;
 use serde_json::{json, Value};
 use tidemark::estimate::images::{self, Size};
 use tidemark::estimate::{Encoding, Estimate, Estimator};
-use tidemark::inspect::RequestView;
+use tidemark::json::RequestView;
 use tidemark::provider::Api;
 
 fn est(api: Api, body: &Value) -> Estimate {
@@ -835,5 +835,99 @@ mod props {
             jpeg_like.extend(&bytes);
             let _ = images::sniff_base64(&B64.encode(&jpeg_like));
         }
+    }
+}
+
+// ---- one table of counted fields --------------------------------------------
+
+/// A value for a counted field, `text` in every place its kind of unit
+/// reads text, `n` elements when it is an array.
+fn field_value(per_element: bool, text: &str, n: usize) -> Value {
+    if !per_element {
+        return json!(text);
+    }
+    let el = json!({
+        "role": "user",
+        "content": text,
+        "parts": [{"text": text}],
+        "name": "t",
+        "description": text,
+        "function": {"name": "t", "description": text},
+        "input_schema": {"type": "object"},
+        "functionDeclarations": [{"name": "t", "description": text}],
+    });
+    Value::Array(vec![el; n])
+}
+
+/// The estimator and the session fingerprint read one table of counted
+/// fields (`Provider::counted_fields`): changing any field in it changes
+/// the estimate, and the fingerprint's content exactly when the field is
+/// part of the conversation (system prompt or history, not tools); a field
+/// outside it changes neither. A field one of them reads and the other does
+/// not (Gemini's `system_instruction`, once) fails here.
+#[test]
+fn estimator_and_fingerprint_read_one_table_of_counted_fields() {
+    use tidemark::provider::{Part, ALL};
+    use tidemark::session::identity;
+    let e = Estimator::new(1 << 20);
+    for p in ALL {
+        let api = p.api();
+        let fields = p.counted_fields();
+        // A request holds one history (Ollama: `messages` or `prompt`); the
+        // fingerprint stops at its first user message.
+        let body = |changed: Option<&str>, history: &str| {
+            let mut m = serde_json::Map::new();
+            m.insert("model".into(), json!("m"));
+            m.insert("outside_the_table".into(), json!("x"));
+            for f in fields {
+                if f.part == Part::History && f.name != history {
+                    continue;
+                }
+                let (text, n) = match changed {
+                    Some(c) if c == f.name => ("a longer text than the other one", 2),
+                    _ => ("short text", 1),
+                };
+                m.insert(f.name.into(), field_value(f.per_element, text, n));
+            }
+            if changed == Some("outside_the_table") {
+                m.insert("outside_the_table".into(), json!("a longer text entirely"));
+            }
+            Value::Object(m).to_string()
+        };
+        let read = |b: &str| {
+            let view = RequestView::parse(b.as_bytes()).expect("object");
+            let est = e.estimate(*p, &view, Some("m")).tokens;
+            (est, identity::content(*p, &view))
+        };
+        let histories: Vec<&str> = fields
+            .iter()
+            .filter(|f| f.part == Part::History)
+            .map(|f| f.name)
+            .collect();
+        let (est0, content0) = read(&body(None, histories[0]));
+        assert!(content0.is_some(), "{api:?}");
+        for f in fields {
+            let history = if f.part == Part::History {
+                f.name
+            } else {
+                histories[0]
+            };
+            let (est0, content0) = read(&body(None, history));
+            let (est, content) = read(&body(Some(f.name), history));
+            assert!(est > est0, "{api:?} {}: the estimator reads it", f.name);
+            assert_eq!(
+                content != content0,
+                f.part != Part::Other,
+                "{api:?} {}: the fingerprint reads it as {:?}",
+                f.name,
+                f.part
+            );
+        }
+        let (est, content) = read(&body(Some("outside_the_table"), histories[0]));
+        assert_eq!(
+            (est, content),
+            (est0, content0),
+            "{api:?}: neither reads it"
+        );
     }
 }

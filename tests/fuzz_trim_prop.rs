@@ -6,7 +6,12 @@
 mod trim_support;
 
 use proptest::prelude::*;
-use tidemark::trim::{trim, trim_sticky, Cut};
+use std::sync::OnceLock;
+
+use tidemark::estimate::{Estimate, Estimator};
+use tidemark::json::RequestView;
+use tidemark::provider::Api;
+use tidemark::trim::{trim, trim_estimated, trim_sticky, Cut, Trimmed};
 use trim_support::*;
 
 /// One user turn: question length, tool steps (output lengths per call),
@@ -107,12 +112,7 @@ proptest! {
         split in 0usize..8,
     ) {
         let api = APIS[api];
-        // The earlier request: the first `split` turns plus the next question.
-        let split = split.min(turns.len() - 1);
-        let mut early: Vec<Turn> = turns[..split].to_vec();
-        early.push(Turn { steps: Vec::new(), answer: None, ..turns[split].clone() });
-        let body1 = render(api, &script(&early, bp), pretty);
-        let body2 = render(api, &script(&turns, bp), pretty);
+        let (body1, body2) = grown(api, &turns, split, bp, pretty);
         let need1 = (count(&body1) as f64 * frac1) as u64;
         let Some(t1) = trim(api, &body1, &count, need1, None) else { return Ok(()) };
         let need2 = (count(&body2) as f64 * frac2) as u64;
@@ -159,6 +159,27 @@ proptest! {
         }
     }
 
+    /// The proxy's trim weighs each cut by adding up its elements' cached
+    /// counts; it must cut exactly where estimating each candidate body
+    /// whole would, and say what estimating its body gives. Fresh and
+    /// with the prior cut of an earlier request.
+    #[test]
+    fn weighing_by_parts_cuts_as_estimating_bodies_does(
+        (api, turns, pretty, bp) in conversation(),
+        frac1 in 0.0f64..1.0,
+        frac2 in 0.0f64..1.1,
+        split in 0usize..8,
+    ) {
+        let api = APIS[api];
+        let (body1, body2) = grown(api, &turns, split, bp, pretty);
+        let need1 = (tokens(api, &body1) as f64 * frac1) as u64;
+        let t1 = compare(api, &body1, need1, need1, None)?;
+        let need2 = (tokens(api, &body2) as f64 * frac2) as u64;
+        let prior = t1.as_ref().map(|t| &t.cut);
+        compare(api, &body2, need2, need2, prior)?;
+        compare(api, &body2, need2, need2 * 5 / 4, prior)?;
+    }
+
     #[test]
     fn broken_bodies_never_panic(
         (api, turns, pretty, bp) in conversation(),
@@ -184,4 +205,65 @@ fn no_old_outputs(turns: &[Turn]) -> bool {
     turns[..turns.len() - 1]
         .iter()
         .all(|t| t.steps.iter().flatten().all(|&len| len < 1000))
+}
+
+/// An earlier request (the first `split` turns plus the next question)
+/// and the whole conversation, as one that grew.
+fn grown(api: Api, turns: &[Turn], split: usize, bp: usize, pretty: bool) -> (Vec<u8>, Vec<u8>) {
+    let split = split.min(turns.len() - 1);
+    let mut early: Vec<Turn> = turns[..split].to_vec();
+    early.push(Turn {
+        steps: Vec::new(),
+        answer: None,
+        ..turns[split].clone()
+    });
+    let body1 = render(api, &script(&early, bp), pretty);
+    (body1, render(api, &script(turns, bp), pretty))
+}
+
+/// One estimator for every case: its cache fills as a proxy's does.
+fn estimator() -> &'static Estimator {
+    static E: OnceLock<Estimator> = OnceLock::new();
+    E.get_or_init(|| Estimator::new(64 << 20))
+}
+
+/// A ruler that is not the bare total: classes and characters move it too.
+fn measure(e: &Estimate) -> u64 {
+    e.tokens + e.chars / 16 + u64::from(e.classes.0[0]) / 3
+}
+
+fn tokens(api: Api, body: &[u8]) -> u64 {
+    estimator()
+        .estimate_body(api, body, None)
+        .map_or(u64::MAX, |e| measure(&e))
+}
+
+/// [`trim_estimated`] against [`trim_sticky`] with whole bodies estimated.
+fn compare(
+    api: Api,
+    body: &[u8],
+    need: u64,
+    keep: u64,
+    prior: Option<&Cut>,
+) -> Result<Option<Trimmed>, TestCaseError> {
+    let whole = trim_sticky(api, body, &|b| tokens(api, b), need, keep, prior);
+    let view = RequestView::parse(body).expect("a JSON object");
+    let parts = trim_estimated(estimator(), api, &view, None, &measure, need, keep, prior);
+    match (&whole, &parts) {
+        (None, None) => {}
+        (Some(w), Some((p, e))) => {
+            prop_assert_eq!(&w.cut, &p.cut, "{:?}", api);
+            prop_assert_eq!((w.turns, w.tool_results), (p.turns, p.tool_results));
+            prop_assert!(w.body == p.body, "{api:?}: bodies differ");
+            let again = estimator().estimate_body(api, &p.body, None);
+            prop_assert_eq!(
+                Some(*e),
+                again,
+                "{:?}: the estimate of the trimmed body",
+                api
+            );
+        }
+        _ => prop_assert!(false, "{api:?}: one trimmed, the other not"),
+    }
+    Ok(whole)
 }

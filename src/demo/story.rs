@@ -23,7 +23,7 @@ use super::{
 };
 use crate::config::{Flags, OnOver};
 use crate::estimate::Estimator;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::provider::Api;
 use crate::sim::{self, Accounting, SimConfig, Simulator, X_SIM_OMIT_USAGE, X_SIM_PROMPT_TOKENS};
 

@@ -43,7 +43,7 @@ enum OpenAiRule {
 /// Which of OpenAI's image rules a model follows (part of the cache key,
 /// since the same message costs differently under another rule).
 pub fn openai_class(model: Option<&str>) -> u64 {
-    crate::window::with_base_name(model.unwrap_or(""), openai_base_class)
+    crate::provider::with_base_name(model.unwrap_or(""), openai_base_class)
 }
 
 /// [`openai_class`] of a lowercased name without router prefix.

@@ -11,7 +11,6 @@
 mod cache;
 pub mod classes;
 pub mod images;
-pub mod json;
 pub mod tokenizer;
 mod walk;
 
@@ -19,12 +18,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
-use crate::inspect::{Raw, RequestView};
-use crate::provider::{Api, Provider};
+use crate::json::text as json;
+use crate::json::{Raw, RequestView};
+pub use crate::provider::Unit;
+use crate::provider::{Api, ImagePricing, Provider};
 use cache::{Cache, Counted};
 pub use classes::{Class, Classes, CLASSES};
 pub use tokenizer::Encoding;
-pub use walk::Unit;
 use walk::*;
 
 /// A request's local estimate.
@@ -112,12 +112,28 @@ impl Estimator {
         model: Option<&str>,
         budget: &mut usize,
     ) -> Option<Estimate> {
+        Some(self.sum_within(p, req, model, budget, None)?.estimate())
+    }
+
+    /// What [`Estimator::estimate_within`] adds up, without the field
+    /// `skip`.
+    fn sum_within(
+        &self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+        budget: &mut usize,
+        skip: Option<&str>,
+    ) -> Option<Sum> {
         let api = p.api();
         let enc = Encoding::for_model(api, model);
         let images = image_class(api, model);
         let mut sum = Sum::default();
         for f in p.counted_fields() {
             let (field, unit, per_element) = (f.name, f.unit, f.per_element);
+            if skip == Some(field) {
+                continue;
+            }
             let Some(raw) = req.raw(field) else {
                 continue;
             };
@@ -156,29 +172,47 @@ impl Estimator {
                 sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
                 continue;
             }
-            let unit = match (api, unit) {
-                // Responses `input` is a string or a list of items.
-                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
-                _ => unit,
-            };
+            let unit = unit.whole();
             if json::kind(raw) != b'n' {
                 sum.add(self.unit(api, enc, model, images, unit, raw, budget)?);
                 n += 1;
             }
             sum.classes[Class::Framing as usize] += block_overhead(api, unit, n);
         }
-        let reply = match api {
-            Api::OpenAiChat | Api::OpenAiResponses => OPENAI_REPLY,
-            Api::Anthropic => ANTHROPIC_REPLY,
-            Api::Gemini => GEMINI_REPLY,
-            Api::Ollama => OLLAMA_REPLY,
+        sum.classes[Class::Framing as usize] += p.reply_framing();
+        Some(sum)
+    }
+
+    /// `req`'s estimate taken apart for a trimmer: everything but the
+    /// elements of its history (the provider's conversation array), and
+    /// each of those on its own, from the per-message cache the estimate
+    /// filled. `None` when the request has no such array.
+    pub fn parts<'e>(
+        &'e self,
+        p: &dyn Provider,
+        req: &RequestView<'_>,
+        model: Option<&str>,
+    ) -> Option<Parts<'e>> {
+        let history = crate::provider::history(p)?;
+        let els = req.elements(history.name)?;
+        let api = p.api();
+        let mut unbounded = usize::MAX;
+        let rest = self.sum_within(p, req, model, &mut unbounded, Some(history.name))?;
+        let mut parts = Parts {
+            est: self,
+            api,
+            enc: Encoding::for_model(api, model),
+            model: model.map(str::to_owned),
+            images: image_class(api, model),
+            unit: history.unit,
+            rest,
+            elements: Vec::with_capacity(els.len()),
         };
-        sum.classes[Class::Framing as usize] += reply;
-        Some(Estimate {
-            tokens: sum.classes.iter().sum(),
-            chars: sum.chars,
-            classes: Classes(sum.classes.map(|n| u32::try_from(n).unwrap_or(u32::MAX))),
-        })
+        for el in els {
+            let c = parts.count(el.get());
+            parts.elements.push(c);
+        }
+        Some(parts)
     }
 
     /// [`Estimator::estimate`] of a raw body; `None` when it is not a JSON object.
@@ -271,10 +305,7 @@ impl Estimator {
             if json::kind(raw.get()) == b'n' {
                 continue;
             }
-            let unit = match (api, field.unit) {
-                (Api::OpenAiResponses, Unit::RespItem) => Unit::RespInputText,
-                (_, u) => u,
-            };
+            let unit = field.unit.whole();
             let key = unit_key(enc, unit, images, raw.get());
             let c = self.unit_keyed(api, enc, model, unit, key, raw.get(), &mut unbounded);
             let rekey = |b: &[u8]| unit_key_bytes(enc, unit, images, b);
@@ -364,9 +395,68 @@ fn unit_key_bytes(enc: Encoding, unit: Unit, image_class: u64, raw: &[u8]) -> u1
 
 /// How a model prices images, part of every cache key (its counts differ).
 fn image_class(api: Api, model: Option<&str>) -> u64 {
-    match api {
-        Api::OpenAiChat | Api::OpenAiResponses => images::openai_class(model),
+    match api.provider().image_pricing() {
+        ImagePricing::OpenAi => images::openai_class(model),
         _ => 0,
+    }
+}
+
+/// A request's estimate in parts ([`Estimator::parts`]): what a trimmer
+/// adds up for each cut it weighs instead of estimating a body.
+pub struct Parts<'e> {
+    est: &'e Estimator,
+    api: Api,
+    enc: Encoding,
+    model: Option<String>,
+    images: u64,
+    /// The history's unit.
+    unit: Unit,
+    /// Everything outside the history's elements.
+    rest: Sum,
+    elements: Vec<Part>,
+}
+
+/// One history element's count, to be added up by [`Parts::total`].
+#[derive(Debug, Clone, Copy)]
+pub struct Part(Counted);
+
+impl Parts<'_> {
+    /// The `i`th element of the request's history.
+    pub fn element(&self, i: usize) -> Part {
+        self.elements[i]
+    }
+
+    /// An element's text the request did not hold (a tool output elided, a
+    /// gap marker), counted as one of its history, through the cache.
+    pub fn count(&self, raw: &str) -> Part {
+        let mut unbounded = usize::MAX;
+        let model = self.model.as_deref();
+        let c = self.est.unit(
+            self.api,
+            self.enc,
+            model,
+            self.images,
+            self.unit,
+            raw,
+            &mut unbounded,
+        );
+        Part(c.unwrap_or_default())
+    }
+
+    /// The estimate of the request with `kept` as its history's elements:
+    /// what estimating that body would give.
+    pub fn total(&self, kept: impl IntoIterator<Item = Part>) -> Estimate {
+        let mut sum = Sum {
+            classes: self.rest.classes,
+            chars: self.rest.chars,
+        };
+        let mut n = 0;
+        for Part(c) in kept {
+            sum.add(c);
+            n += 1;
+        }
+        sum.classes[Class::Framing as usize] += block_overhead(self.api, self.unit, n);
+        sum.estimate()
     }
 }
 
@@ -377,6 +467,14 @@ struct Sum {
 }
 
 impl Sum {
+    fn estimate(&self) -> Estimate {
+        Estimate {
+            tokens: self.classes.iter().sum(),
+            chars: self.chars,
+            classes: Classes(self.classes.map(|n| u32::try_from(n).unwrap_or(u32::MAX))),
+        }
+    }
+
     fn add(&mut self, c: Counted) {
         c.add_to(&mut self.classes);
         self.chars += c.chars();
@@ -395,10 +493,5 @@ fn block_overhead(api: Api, unit: Unit, n: u64) -> u64 {
     if n == 0 {
         return 0;
     }
-    match (api, unit) {
-        (Api::OpenAiChat, Unit::ChatTool | Unit::ChatFunction) => OPENAI_TOOLS_END,
-        (Api::OpenAiResponses, Unit::RespTool) => OPENAI_TOOLS_END,
-        (Api::Anthropic, Unit::AnthTool) => ANTHROPIC_TOOLS_SYSTEM,
-        _ => 0,
-    }
+    api.provider().block_framing(unit)
 }

@@ -35,7 +35,7 @@ impl Encoding {
             };
         };
         // Router prefixes such as `openai/gpt-4o` or `models/gemini-2.5-pro`.
-        crate::window::with_base_name(model, |m| Encoding::for_base_name(api, m))
+        crate::provider::with_base_name(model, |m| Encoding::for_base_name(api, m))
     }
 
     /// [`Encoding::for_model`] of a lowercased name without router prefix.

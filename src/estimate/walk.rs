@@ -12,55 +12,28 @@
 //! marker), so 3 per message is used for Anthropic and Gemini, and the Llama 3
 //! template's 4 (+ the role) for Ollama, with 5 to open the reply. Anthropic
 //! does publish the system prompt that tool use adds: 346 tokens. Any residue
-//! is fixed per request and cancels out of an anchored projection.
+//! is fixed per request and cancels out of an anchored projection. The
+//! per-request costs (opening the reply, a tool block) are the providers'
+//! (`Provider::reply_framing`, `Provider::block_framing`).
 
 use serde_json::value::RawValue;
 
 use super::classes::{self, Class, Classes};
 use super::images::{self, Detail};
-use super::json::{self, get, kind};
 use super::tokenizer::Encoding;
-use crate::provider::Api;
+use crate::json::text::{self as json, get, kind};
+use crate::provider::{Api, ImagePricing, Unit};
 
 pub const OPENAI_PER_MESSAGE: u64 = 3;
 pub const OPENAI_PER_NAME: u64 = 1;
-pub const OPENAI_REPLY: u64 = 3;
 pub const OPENAI_PER_TOOL_CALL: u64 = 3;
 pub const OPENAI_PER_TOOL_DEF: u64 = 7;
-pub const OPENAI_TOOLS_END: u64 = 12;
 pub const ANTHROPIC_PER_MESSAGE: u64 = 3;
-pub const ANTHROPIC_REPLY: u64 = 3;
 pub const ANTHROPIC_PER_TOOL_USE: u64 = 3;
-pub const ANTHROPIC_TOOLS_SYSTEM: u64 = 346;
 pub const GEMINI_PER_CONTENT: u64 = 3;
-pub const GEMINI_REPLY: u64 = 3;
 pub const GEMINI_PER_CALL: u64 = 3;
 pub const OLLAMA_PER_MESSAGE: u64 = 4;
-pub const OLLAMA_REPLY: u64 = 5;
 pub const OLLAMA_PER_CALL: u64 = 3;
-
-/// What a cached unit is: the same bytes count differently in another slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Unit {
-    ChatMessage = 1,
-    ChatTool,
-    ChatFunction,
-    RespInstructions,
-    RespInputText,
-    RespItem,
-    RespTool,
-    AnthSystem,
-    AnthMessage,
-    AnthTool,
-    GemSystem,
-    GemContent,
-    GemTool,
-    OllamaMessage,
-    OllamaTool,
-    OllamaText,
-    OllamaImage,
-}
 
 /// A running count for one unit.
 pub struct Ctx<'m> {
@@ -133,13 +106,11 @@ impl Ctx<'_> {
 
     fn image(&mut self, url: &str, detail: Detail) {
         let size = images::data_url_payload(url).and_then(images::sniff_base64);
-        let n = match self.api {
-            Api::Anthropic => images::anthropic_tokens(size),
-            Api::Gemini => images::gemini_tokens(size),
-            Api::Ollama => images::OLLAMA_IMAGE,
-            Api::OpenAiChat | Api::OpenAiResponses => {
-                images::openai_tokens(size, detail, self.model)
-            }
+        let n = match self.api.provider().image_pricing() {
+            ImagePricing::Anthropic => images::anthropic_tokens(size),
+            ImagePricing::Gemini => images::gemini_tokens(size),
+            ImagePricing::Flat => images::OLLAMA_IMAGE,
+            ImagePricing::OpenAi => images::openai_tokens(size, detail, self.model),
         };
         self.media(n);
     }

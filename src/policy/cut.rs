@@ -7,6 +7,7 @@ use dashmap::DashMap;
 use super::Over;
 use crate::config::Config;
 use crate::estimate::{Estimate, Estimator};
+use crate::json::RequestView;
 use crate::metrics;
 use crate::provider::Api;
 use crate::session::{Begun, Ruler, Store};
@@ -71,17 +72,23 @@ pub fn trim_request(
 ) -> Option<(Trimmed, Estimate)> {
     let (api, model, ruler, reserve, window) =
         (t.api, t.model, t.ruler, t.over.reserve, t.over.window);
-    let measure = |b: &[u8]| -> u64 {
-        estimator
-            .estimate_body(api, b, model)
-            .map(|e| ruler.measure_estimate(&e))
-            .unwrap_or(u64::MAX)
-    };
+    // Each candidate cut is weighed by its elements' cached counts, the
+    // body rendered once at the end.
+    let measure = |e: &Estimate| ruler.measure_estimate(e);
     let need = ((cfg.trim_to * window as f64) as u64).saturating_sub(reserve);
     let keep = ((cfg.limit_at * window as f64) as u64).saturating_sub(reserve);
     let prior = t.cut_key.and_then(|k| cuts.get(k));
-    let trimmed = trim::trim_sticky(api, t.body, &measure, need, keep, prior.as_ref())?;
-    let est = estimator.estimate_body(api, &trimmed.body, model)?;
+    let view = RequestView::parse(t.body)?;
+    let (trimmed, est) = trim::trim_estimated(
+        estimator,
+        api,
+        &view,
+        model,
+        &measure,
+        need,
+        keep,
+        prior.as_ref(),
+    )?;
     // Re-projected with the same anchored ruler; a trim that did not
     // shrink below the line is never forwarded.
     ((ruler.measure_estimate(&est) + reserve) as f64 <= t.over.limit).then_some((trimmed, est))

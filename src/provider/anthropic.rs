@@ -1,17 +1,20 @@
 //! Anthropic Messages (`/messages`): input and cache counts in
 //! `message_start`, cumulative replacements in `message_delta`.
 
+use std::ops::Range;
+
 use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, number_after, session_budget_message,
     Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed, Part, PromptCache,
     Provider, ERROR, USAGE,
 };
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use super::{Element, Unit};
+use crate::json::{Obj, RequestView};
 
 pub struct Anthropic;
 
@@ -42,6 +45,16 @@ impl Provider for Anthropic {
             field("messages", Unit::AnthMessage, true, Part::History),
         ];
         FIELDS
+    }
+    /// The system prompt tool use adds, as Anthropic publishes it.
+    fn block_framing(&self, unit: Unit) -> u64 {
+        match unit {
+            Unit::AnthTool => 346,
+            _ => 0,
+        }
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::Anthropic
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")
@@ -210,6 +223,39 @@ impl Provider for Anthropic {
     fn prompt_cache(&self) -> PromptCache {
         PromptCache::Breakpoints
     }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        let o = Obj::parse(b, r)?;
+        let (mut e, role) = Element::by_role(&o);
+        let blocks = o
+            .get("content")
+            .filter(|r| b.get(r.start) == Some(&b'['))
+            .and_then(|r| crate::json::elements(b, r))
+            .unwrap_or_default();
+        for r in blocks {
+            let Some(blk) = Obj::parse(b, r) else {
+                continue;
+            };
+            match blk.str("type").as_deref() {
+                Some("tool_use") => e.calls.push(blk.str("id").unwrap_or_default()),
+                Some("tool_result") => {
+                    e.results.push(blk.str("tool_use_id"));
+                    e.outputs.extend(blk.get("content"));
+                }
+                _ => {}
+            }
+        }
+        e.turn_start = role.as_deref() == Some("user") && e.results.is_empty();
+        Some(e)
+    }
+    /// Messages must alternate user / assistant: an assistant message says
+    /// what was cut.
+    fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
+        let v = serde_json::json!({"role": "assistant", "content": super::gap_text(dropped)});
+        serde_json::to_vec(&v).ok()
+    }
+    fn cache_breakpoints(&self) -> Option<(&'static str, usize)> {
+        Some(("cache_control", 4))
+    }
 }
 
 /// The conversation id in Claude Code's `metadata.user_id`: either
@@ -331,7 +377,7 @@ mod tests {
         let read = |events: &[&str]| {
             let mut acc = Observed::default();
             for e in events {
-                let node = crate::pick::pick(e.as_bytes(), keep).unwrap();
+                let node = crate::json::pick(e.as_bytes(), keep).unwrap();
                 Anthropic.observe(None, &node, &mut acc);
             }
             acc

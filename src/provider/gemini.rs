@@ -1,14 +1,17 @@
 //! Google Gemini (`:generateContent`, `:streamGenerateContent`): cumulative
 //! `usageMetadata` on every chunk; the model is named in the path.
 
+use std::ops::Range;
+
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, field, has_member, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
     Part, PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
 };
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use super::{Element, Unit};
+use crate::json::{Obj, RequestView};
 
 pub struct Gemini;
 
@@ -48,6 +51,9 @@ impl Provider for Gemini {
             field("contents", Unit::GemContent, true, Part::History),
         ];
         FIELDS
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::Gemini
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         let cfg: Value = req.get("generationConfig")?;
@@ -179,6 +185,41 @@ impl Provider for Gemini {
             min: 1024,
             granularity: 1,
         }
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        let o = Obj::parse(b, r)?;
+        let (mut e, role) = Element::by_role(&o);
+        let parts = o
+            .get("parts")
+            .and_then(|r| crate::json::elements(b, r))
+            .unwrap_or_default();
+        for r in parts {
+            let Some(p) = Obj::parse(b, r) else { continue };
+            if let Some(fc) = p.get("functionCall") {
+                let id = Obj::parse(b, fc).and_then(|f| f.str("id"));
+                e.calls.push(id.unwrap_or_default());
+            }
+            if let Some(fr) = p.get("functionResponse") {
+                let f = Obj::parse(b, fr);
+                e.results.push(f.as_ref().and_then(|f| f.str("id")));
+                e.outputs.extend(f.and_then(|f| f.get("response")));
+            }
+        }
+        // The role is optional and defaults to user.
+        e.user = role.as_deref().map_or(true, |r| r == "user");
+        e.assistant = role.as_deref() == Some("model");
+        e.turn_start = e.user && e.results.is_empty();
+        Some(e)
+    }
+    /// A function response is an object: the marker goes in one.
+    fn elided(&self, bytes: usize) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({ "content": super::elided_text(bytes) }))
+            .unwrap_or_default()
+    }
+    /// Contents must alternate user / model: a model content says what was cut.
+    fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
+        let v = serde_json::json!({"role": "model", "parts": [{"text": super::gap_text(dropped)}]});
+        serde_json::to_vec(&v).ok()
     }
 }
 

@@ -4,11 +4,12 @@
 //! [`ALL`].
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use serde_json::Value;
 
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+pub use crate::json::Node;
+use crate::json::{Obj, RequestView};
 
 mod anthropic;
 mod gemini;
@@ -117,6 +118,54 @@ pub struct CountedField {
     pub part: Part,
 }
 
+/// What a cached unit is: the same bytes count differently in another slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Unit {
+    ChatMessage = 1,
+    ChatTool,
+    ChatFunction,
+    RespInstructions,
+    RespInputText,
+    RespItem,
+    RespTool,
+    AnthSystem,
+    AnthMessage,
+    AnthTool,
+    GemSystem,
+    GemContent,
+    GemTool,
+    OllamaMessage,
+    OllamaTool,
+    OllamaText,
+    OllamaImage,
+}
+
+impl Unit {
+    /// The unit a per-element field's value is counted as when it is not
+    /// an array (Responses `input` is a string or a list of items).
+    pub fn whole(self) -> Unit {
+        match self {
+            Unit::RespItem => Unit::RespInputText,
+            u => u,
+        }
+    }
+}
+
+/// How an API prices an image in a prompt (the rules are the estimator's,
+/// `estimate/images.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImagePricing {
+    /// 512px tiles by `detail`, a base and a per-tile cost by model.
+    OpenAi,
+    /// Pixels over 750, the long edge scaled to 1568.
+    Anthropic,
+    /// 258 per tile of two thirds of the shorter side.
+    Gemini,
+    /// One figure whatever the size (local models vary).
+    Flat,
+}
+
 /// What a counted field is to a conversation's identity (the fingerprint
 /// and the lane): its system prompt, its history, or neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +193,79 @@ pub(crate) const fn field(
         per_element,
         part,
     }
+}
+
+/// The conversation array of an API's table: the history counted element
+/// by element (`messages`, Responses `input`, Gemini `contents`), the one
+/// a trimmer cuts.
+pub fn history(p: &dyn Provider) -> Option<&'static CountedField> {
+    p.counted_fields()
+        .iter()
+        .find(|f| f.part == Part::History && f.per_element)
+}
+
+/// One element of the conversation array as a trimmer sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Element {
+    /// A user message that is not a tool result: a turn starts here.
+    pub turn_start: bool,
+    /// A user message (tool results included): needs a gap marker before it
+    /// where roles must alternate.
+    pub user: bool,
+    /// Produced by the model (assistant / model message, Responses output
+    /// item): a tool step may start here.
+    pub assistant: bool,
+    /// A Responses reasoning item, which must stay with the item after it.
+    pub reasoning: bool,
+    /// Tool call ids this element issues.
+    pub calls: Vec<String>,
+    /// Tool call ids whose results this element carries (`None`: no id, as in
+    /// Ollama or Gemini without ids; bound to the nearest preceding call).
+    pub results: Vec<Option<String>>,
+    /// Byte ranges (in the body) of tool outputs a trimmer may elide.
+    pub outputs: Vec<Range<usize>>,
+}
+
+impl Element {
+    /// An element by its `role` alone (`user`, `assistant`), and the role.
+    pub(crate) fn by_role(o: &Obj<'_>) -> (Element, Option<String>) {
+        let role = o.str("role");
+        let e = Element {
+            user: role.as_deref() == Some("user"),
+            assistant: role.as_deref() == Some("assistant"),
+            ..Element::default()
+        };
+        (e, role)
+    }
+}
+
+/// The text that replaces an elided tool output.
+pub(crate) fn elided_text(bytes: usize) -> String {
+    format!("[tidemark: elided {bytes} bytes of tool output]")
+}
+
+/// The text of a gap marker.
+pub(crate) fn gap_text(dropped: usize) -> String {
+    format!("[tidemark: {dropped} earlier messages omitted]")
+}
+
+/// Chat-shaped elements (OpenAI chat, Ollama): `tool_calls` issue calls, a
+/// `tool` message carries one result and its `content` is the output.
+pub(crate) fn chat_element(b: &[u8], r: Range<usize>) -> Option<Element> {
+    let o = Obj::parse(b, r)?;
+    let (mut e, role) = Element::by_role(&o);
+    e.turn_start = role.as_deref() == Some("user");
+    if let Some(tc) = o.get("tool_calls") {
+        for r in crate::json::elements(b, tc).unwrap_or_default() {
+            let id = Obj::parse(b, r).and_then(|c| c.str("id"));
+            e.calls.push(id.unwrap_or_default());
+        }
+    }
+    if role.as_deref() == Some("tool") {
+        e.results.push(o.str("tool_call_id"));
+        e.outputs.extend(o.get("content"));
+    }
+    Some(e)
 }
 
 /// A tidemark-made error, to be rendered in the API's own shape.
@@ -255,6 +377,21 @@ pub trait Provider: Send + Sync + 'static {
     /// the provider sees them (system first).
     fn counted_fields(&self) -> &'static [CountedField];
 
+    /// How the API prices an image in a prompt.
+    fn image_pricing(&self) -> ImagePricing;
+
+    /// Tokens the provider's template adds to every request to open the
+    /// model's reply (the estimator's framing, `estimate/walk.rs`).
+    fn reply_framing(&self) -> u64 {
+        3
+    }
+
+    /// Tokens a block of this API's `unit`s costs once (a tool block's
+    /// wrapper), when the request holds any.
+    fn block_framing(&self, _unit: Unit) -> u64 {
+        0
+    }
+
     /// The request's cap on output tokens, for `--reserve-output`.
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64>;
 
@@ -284,11 +421,10 @@ pub trait Provider: Send + Sync + 'static {
 
     /// Framing of a response body, given its content type and whether the
     /// request asked for a stream.
-    fn framing(&self, content_type: Option<&str>, stream: bool) -> Framing {
+    fn framing(&self, content_type: Option<&str>, _stream: bool) -> Framing {
         match content_type {
             Some(ct) if ct.starts_with("text/event-stream") => Framing::Sse,
             Some(ct) if ct.starts_with("application/x-ndjson") => Framing::Ndjson,
-            _ if stream && self.api() == Api::Ollama => Framing::Ndjson,
             _ => Framing::Json,
         }
     }
@@ -334,6 +470,34 @@ pub trait Provider: Send + Sync + 'static {
         None
     }
 
+    // ---- trimming -----------------------------------------------------
+
+    /// What element `b[r]` of the conversation array is to a trimmer
+    /// (`trim.rs`): turn starts, roles, tool calls and results, outputs
+    /// that may be elided. `None`: not an element this API's trimmer
+    /// understands (the request is then left whole).
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element>;
+
+    /// What an elided tool output of `bytes` JSON bytes is replaced with,
+    /// as a JSON value.
+    fn elided(&self, bytes: usize) -> Vec<u8> {
+        serde_json::to_vec(&elided_text(bytes)).unwrap_or_default()
+    }
+
+    /// The message that stands for `dropped` elements cut before a user
+    /// message, where the API requires roles to alternate; `None`: a gap
+    /// needs none.
+    fn gap_marker(&self, _dropped: usize) -> Option<Vec<u8>> {
+        None
+    }
+
+    /// The member that marks a prompt-cache breakpoint and how many a
+    /// request may hold, where the client places them (Anthropic
+    /// `cache_control`, 4): a trim that elides must keep within it.
+    fn cache_breakpoints(&self) -> Option<(&'static str, usize)> {
+        None
+    }
+
     // ---- prompt cache -------------------------------------------------
 
     /// How this API caches prompt prefixes.
@@ -342,57 +506,6 @@ pub trait Provider: Send + Sync + 'static {
             min: 1024,
             granularity: 1,
         }
-    }
-}
-
-/// A JSON value as the tap parsed it for a provider: objects hold only the
-/// members its [`reads`](Provider::reads) names, under those `'static` names, so nothing
-/// but kept strings is allocated. Mirrors the parts of `serde_json::Value`'s
-/// API the providers use.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Node {
-    Null,
-    Bool(bool),
-    /// A non-negative integer: every token count.
-    Count(u64),
-    /// Any other number.
-    Number,
-    Str(String),
-    Obj(Vec<(&'static str, Node)>),
-    Arr(Vec<Node>),
-}
-
-impl Node {
-    /// A member of an object; the last one when repeated, as serde_json does.
-    pub fn get(&self, key: &str) -> Option<&Node> {
-        match self {
-            Node::Obj(m) => m.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-    pub fn as_u64(&self) -> Option<u64> {
-        match self {
-            Node::Count(n) => Some(*n),
-            _ => None,
-        }
-    }
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            Node::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-    pub fn as_bool(&self) -> Option<bool> {
-        match self {
-            Node::Bool(b) => Some(*b),
-            _ => None,
-        }
-    }
-    pub fn is_object(&self) -> bool {
-        matches!(self, Node::Obj(_))
-    }
-    pub fn is_null(&self) -> bool {
-        matches!(self, Node::Null)
     }
 }
 
@@ -433,6 +546,33 @@ keys! {
     EVAL_COUNT = b"eval_count";
     RESPONSE_CREATED = b"response.created";
     CHOICES = b"\"choices\"";
+}
+
+/// `f` of `model` lowercased (ASCII) with any router prefix stripped:
+/// `OpenAI/GPT-4o` -> `gpt-4o`. A name of up to 128 bytes is lowercased on
+/// the stack: this runs on every request, several times.
+pub fn with_base_name<R>(model: &str, f: impl FnOnce(&str) -> R) -> R {
+    let name = strip_prefix(model);
+    let mut buf = [0u8; 128];
+    match buf.get_mut(..name.len()) {
+        Some(b) => {
+            b.copy_from_slice(name.as_bytes());
+            b.make_ascii_lowercase();
+            // ASCII lowercasing keeps UTF-8 valid.
+            f(std::str::from_utf8(b).unwrap_or(name))
+        }
+        None => f(&name.to_ascii_lowercase()),
+    }
+}
+
+/// `models/gemini-2.5-pro` -> `gemini-2.5-pro`; `openai/gpt-4o` -> `gpt-4o`.
+fn strip_prefix(model: &str) -> &str {
+    // memchr's search, not str::rfind's (about 140 instructions a call on a
+    // short name, three calls a request).
+    match memchr::memrchr(b'/', model.as_bytes()) {
+        Some(i) => &model[i + 1..],
+        None => model,
+    }
 }
 
 /// A JSON object of the request's top-level members named in `keep`, their

@@ -1,13 +1,16 @@
 //! Ollama native chat (`/api/chat`): NDJSON, usage on the `done` line.
 
+use std::ops::Range;
+
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
-    count, field, has_member, truthy, Api, CountedField, ErrorShape, GenAi, Node, Observed, Part,
-    PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
+    count, field, has_member, truthy, Api, CountedField, ErrorShape, Framing, GenAi, Node,
+    Observed, Part, PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
 };
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use super::{Element, Unit};
+use crate::json::RequestView;
 
 pub struct Ollama;
 
@@ -43,10 +46,26 @@ impl Provider for Ollama {
         ];
         FIELDS
     }
+    /// The Llama 3 template opens the reply with 5.
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::Flat
+    }
+    fn reply_framing(&self) -> u64 {
+        5
+    }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         // num_predict: -1 (and -2) mean "no limit".
         let options: Value = req.get("options")?;
         count(&options, "num_predict")
+    }
+    /// A native stream is NDJSON whatever its content type says.
+    fn framing(&self, content_type: Option<&str>, stream: bool) -> Framing {
+        match content_type {
+            Some(ct) if ct.starts_with("text/event-stream") => Framing::Sse,
+            Some(ct) if ct.starts_with("application/x-ndjson") => Framing::Ndjson,
+            _ if stream => Framing::Ndjson,
+            _ => Framing::Json,
+        }
     }
     fn may_carry_usage(&self, _event: Option<&str>, data: &[u8]) -> bool {
         EVAL_COUNT.find(data).is_some() || has_member(data, &ERROR)
@@ -94,5 +113,8 @@ impl Provider for Ollama {
             min: 0,
             granularity: 1,
         }
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        super::chat_element(b, r)
     }
 }

@@ -1,13 +1,16 @@
 //! OpenAI chat completions (`/chat/completions`), and every server that speaks
 //! it (vLLM, llama.cpp, Ollama's `/v1`, OpenRouter).
 
+use std::ops::Range;
+
+use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, last_valued, number_after,
     openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
     Part, PromptCache, Provider, Usage, ERROR, USAGE,
 };
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use super::{Element, Unit};
+use crate::json::RequestView;
 
 pub struct OpenAiChat;
 
@@ -37,6 +40,16 @@ impl Provider for OpenAiChat {
             field("messages", Unit::ChatMessage, true, Part::History),
         ];
         FIELDS
+    }
+    /// The cookbook's `num_tokens_for_tools`: 12 to close the tool block.
+    fn block_framing(&self, unit: Unit) -> u64 {
+        match unit {
+            Unit::ChatTool | Unit::ChatFunction => 12,
+            _ => 0,
+        }
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::OpenAi
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_completion_tokens")
@@ -99,6 +112,9 @@ impl Provider for OpenAiChat {
             min: 1024,
             granularity: 128,
         }
+    }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        super::chat_element(b, r)
     }
 }
 

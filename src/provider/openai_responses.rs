@@ -1,17 +1,20 @@
 //! OpenAI Responses (`/responses`): usage on the terminal event, and the
 //! response id a later request continues with `previous_response_id`.
 
+use std::ops::Range;
+
 use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::ImagePricing;
 use super::{
     count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape,
     GenAi, Node, Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED,
     USAGE,
 };
-use crate::estimate::Unit;
-use crate::inspect::RequestView;
+use super::{Element, Unit};
+use crate::json::{Obj, RequestView};
 
 pub struct OpenAiResponses;
 
@@ -52,6 +55,16 @@ impl Provider for OpenAiResponses {
             field("input", Unit::RespItem, true, Part::History),
         ];
         FIELDS
+    }
+    /// As on chat completions: 12 to close the tool block.
+    fn block_framing(&self, unit: Unit) -> u64 {
+        match unit {
+            Unit::RespTool => 12,
+            _ => 0,
+        }
+    }
+    fn image_pricing(&self) -> ImagePricing {
+        ImagePricing::OpenAi
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_output_tokens")
@@ -176,6 +189,29 @@ impl Provider for OpenAiResponses {
     fn prompt_cache(&self) -> PromptCache {
         OpenAiChat.prompt_cache()
     }
+    fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
+        let o = Obj::parse(b, r)?;
+        let (mut e, role) = Element::by_role(&o);
+        let ty = o.str("type");
+        let is_msg = ty.as_deref().map_or(true, |t| t == "message");
+        e.turn_start = is_msg && role.as_deref() == Some("user");
+        e.reasoning = ty.as_deref() == Some("reasoning");
+        e.assistant = match ty.as_deref() {
+            None | Some("message") => role.as_deref() == Some("assistant"),
+            Some(t) => t == "reasoning" || (t.ends_with("_call") && !t.ends_with("_output")),
+        };
+        if let (Some(id), Some(t)) = (o.str("call_id"), ty.as_deref()) {
+            if t.ends_with("_output") {
+                e.results.push(Some(id));
+                if t == "function_call_output" || t == "custom_tool_call_output" {
+                    e.outputs.extend(o.get("output"));
+                }
+            } else {
+                e.calls.push(id);
+            }
+        }
+        Some(e)
+    }
 }
 
 /// The Responses API's WebSocket mode (`GET /v1/responses` upgraded): the
@@ -187,7 +223,7 @@ impl Provider for OpenAiResponses {
 /// it stands for (what Codex CLI reads to recover).
 pub mod websocket {
     use super::{Node, Observed, OpenAiResponses, Provider, RESPONSE_EVENTS};
-    use crate::inspect::RequestView;
+    use crate::json::RequestView;
     use crate::provider::ErrorShape;
 
     /// The client event that starts a response.
@@ -238,8 +274,8 @@ pub mod websocket {
         if !terminal || !p.may_carry_usage(None, message) {
             return None;
         }
-        let node = crate::pick::pick(message, p.reads())?;
-        let envelope = crate::pick::pick(message, ENVELOPE)?;
+        let node = crate::json::pick(message, p.reads())?;
+        let envelope = crate::json::pick(message, ENVELOPE)?;
         let typ = node.get("type").and_then(Node::as_str)?;
         let status = match typ {
             "error" => envelope
@@ -371,7 +407,7 @@ mod identity_tests {
         let keep = OpenAiResponses.reads();
         let read = |e: &str| {
             let mut acc = Observed::default();
-            let node = crate::pick::pick(e.as_bytes(), keep).unwrap();
+            let node = crate::json::pick(e.as_bytes(), keep).unwrap();
             OpenAiResponses.observe(None, &node, &mut acc);
             acc
         };

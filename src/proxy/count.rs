@@ -6,7 +6,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::ctx::Ctx;
 use crate::config::Upstream;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::provider::Provider;
 use crate::session::Begun;
 use crate::turn::outgoing::full;

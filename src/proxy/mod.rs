@@ -18,7 +18,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::config::Upstream;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::provider::{self, Provider};
 use crate::tap::ObservedBody;
 use crate::turn::outgoing::full;

@@ -9,7 +9,7 @@ use super::body::{decode_request, read_body};
 use super::ctx::{meanwhile, Ctx};
 use crate::config::OnOver;
 use crate::estimate::Estimate;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::metrics;
 use crate::otel;
 use crate::policy::cut::{self, cut_hash, Trimming};

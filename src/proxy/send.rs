@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Limited};
 use super::ctx::{Answer, Ctx, InFlight};
 use super::respond::{refused, Ending};
 use crate::config::Upstream;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::metrics;
 use crate::provider::{Api, Provider};
 use crate::tap::{Finish, ObservedBody, Watch};

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::estimate::Estimator;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::metrics;
 use crate::provider::{Api, Part, PromptCache, Provider, Usage};
 

@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::Xxh3;
 
 use super::{Content, KeySource};
-use crate::inspect::{Raw, RequestView};
+use crate::json::{Raw, RequestView};
 use crate::provider::{Part, Provider};
 
 /// Longest session key taken from a header or an agent's id; longer values are cut.
@@ -329,7 +329,7 @@ pub fn content(p: &dyn Provider, view: &RequestView<'_>) -> Option<Content> {
     })
 }
 
-/// A value's content into `h` ([`crate::pick::content`]); its raw bytes if
+/// A value's content into `h` ([`crate::json::content`]); its raw bytes if
 /// it cannot be stepped through.
 /// A value's content without its moving markers into `buf`, when it has
 /// any (false: its raw bytes are its content, `buf` untouched).
@@ -339,7 +339,7 @@ pub(super) fn content_without_markers(raw: Raw<'_>, buf: &mut Vec<u8>) -> bool {
         return false;
     }
     buf.clear();
-    crate::pick::content(b, MOVING_MARKER, &mut |run: &[u8]| {
+    crate::json::content(b, MOVING_MARKER, &mut |run: &[u8]| {
         buf.extend_from_slice(run)
     })
     .is_some()
@@ -348,7 +348,7 @@ pub(super) fn content_without_markers(raw: Raw<'_>, buf: &mut Vec<u8>) -> bool {
 fn feed(h: &mut Xxh3, raw: Raw<'_>) {
     let b = raw.get().as_bytes();
     if MARKER_NAME.find(b).is_none()
-        || crate::pick::content(b, MOVING_MARKER, &mut |run: &[u8]| h.update(run)).is_none()
+        || crate::json::content(b, MOVING_MARKER, &mut |run: &[u8]| h.update(run)).is_none()
     {
         h.update(b);
     }

@@ -10,7 +10,7 @@ use http::HeaderMap;
 use super::{Local, State};
 use crate::config::{Config, Upstream};
 use crate::estimate::Estimate;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::metrics;
 use crate::otel;
 use crate::provider::{Observed, Provider};

@@ -32,7 +32,7 @@ use super::deflate::{self, Agreed, Inflater};
 use super::frame::{encode_frame, parse_header, Event, Kind, MessageReader, Opcode};
 use super::tunnel::{Out, Watch};
 use crate::config::OnOver;
-use crate::inspect::RequestView;
+use crate::json::RequestView;
 use crate::metrics;
 use crate::policy::cut::{self, Trimming};
 use crate::policy::{self, Refusal, Verdict};

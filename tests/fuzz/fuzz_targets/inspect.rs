@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
 use tidemark::estimate::Estimator;
-use tidemark::inspect::RequestView;
+use tidemark::json::RequestView;
 use tidemark::provider::ALL;
 
 const PATHS: [&str; 5] = [

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tidemark::inspect::RequestView;
+use tidemark::json::RequestView;
 use tidemark::provider::ALL;
 use tidemark::trim::trim;
 

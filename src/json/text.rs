@@ -7,31 +7,7 @@ use std::borrow::Cow;
 
 use serde_json::value::RawValue;
 
-/// Index just past the closing quote of the string opening at `i`.
-fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    let mut j = i + 1;
-    loop {
-        // Jump from quote to quote; a quote preceded by an odd run of
-        // backslashes is escaped (escapes other than `\"` cost nothing).
-        let q = j + memchr::memchr(b'"', b.get(j..)?)?;
-        let run = b[i + 1..q]
-            .iter()
-            .rev()
-            .take_while(|&&c| c == b'\\')
-            .count();
-        if run % 2 == 0 {
-            return Some(q + 1);
-        }
-        j = q + 1;
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && matches!(b[i], b' ' | b'\t' | b'\n' | b'\r') {
-        i += 1;
-    }
-    i
-}
+use super::{skip_ws, string_end};
 
 /// First significant byte of a raw value: `"` string, `{` object, `[` array.
 pub fn kind(raw: &str) -> u8 {
@@ -106,12 +82,12 @@ pub fn compact(raw: &str) -> String {
     while i < b.len() {
         match b[i] {
             b'"' => {
-                let Some(end) = string_end(b, i) else {
+                let Some((end, escaped)) = string_end(b, i) else {
                     out.push_str(&raw[copied..]);
                     return out;
                 };
                 let lit = &raw[i..end];
-                if lit.as_bytes().contains(&b'\\') {
+                if escaped {
                     out.push_str(&raw[copied..i]);
                     match serde_json::from_str::<String>(lit)
                         .ok()

@@ -17,7 +17,58 @@
 //! and anything after the value are still errors, so a body cut short or
 //! two bodies run together count as a parse error as before.
 
-use crate::provider::Node;
+use super::{container_end, number_end, scalar_end, skip_ws, string_end, MAX_DEPTH};
+
+/// A JSON value as the tap parsed it for a provider: objects hold only the
+/// members a provider reads (`Provider::reads`), under those `'static` names, so nothing
+/// but kept strings is allocated. Mirrors the parts of `serde_json::Value`'s
+/// API the providers use.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Node {
+    Null,
+    Bool(bool),
+    /// A non-negative integer: every token count.
+    Count(u64),
+    /// Any other number.
+    Number,
+    Str(String),
+    Obj(Vec<(&'static str, Node)>),
+    Arr(Vec<Node>),
+}
+
+impl Node {
+    /// A member of an object; the last one when repeated, as serde_json does.
+    pub fn get(&self, key: &str) -> Option<&Node> {
+        match self {
+            Node::Obj(m) => m.iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Node::Count(n) => Some(*n),
+            _ => None,
+        }
+    }
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Node::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Node::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+    pub fn is_object(&self) -> bool {
+        matches!(self, Node::Obj(_))
+    }
+    pub fn is_null(&self) -> bool {
+        matches!(self, Node::Null)
+    }
+}
 
 /// The value in `bytes`, holding at every depth only the object members
 /// named in `keep` (arrays and kept values whole). `None`: not JSON.
@@ -32,10 +83,6 @@ pub fn pick(bytes: &[u8], keep: &'static [&'static str]) -> Option<Node> {
     p.ws();
     (p.i == p.b.len()).then_some(v)
 }
-
-/// How deep values may nest before the text is refused, as serde_json's
-/// recursion limit refuses it.
-const MAX_DEPTH: usize = 128;
 
 struct Picker<'a> {
     b: &'a [u8],
@@ -55,29 +102,7 @@ fn length_bit(len: usize) -> u64 {
 
 impl Picker<'_> {
     fn ws(&mut self) {
-        // Most calls stand on a value already, or on the one space after a
-        // colon; a pretty-printed body's newline and indentation are
-        // skipped a block at a time.
-        match self.b.get(self.i) {
-            Some(b' ' | b'\t' | b'\n' | b'\r') => {}
-            _ => return,
-        }
-        if !matches!(self.b.get(self.i + 1), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.i += 1;
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        while let Some(v) = lanes::load(self.b, self.i) {
-            let m = v.not_ws();
-            if m != 0 {
-                self.i += lanes::first(m);
-                return;
-            }
-            self.i += lanes::W;
-        }
-        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.b.get(self.i) {
-            self.i += 1;
-        }
+        self.i = skip_ws(self.b, self.i);
     }
 
     fn eat(&mut self, c: u8) -> Option<()> {
@@ -238,357 +263,6 @@ impl Picker<'_> {
         }
     }
 }
-
-/// The end of the JSON number starting at `i` (`-?(0|[1-9][0-9]*)`, then
-/// `(\.[0-9]+)?([eE][+-]?[0-9]+)?`), and whether it is an integer; `None`
-/// when the grammar is broken (a leading zero, a bare `-`, `.` or `e`).
-pub(crate) fn number_end(b: &[u8], mut i: usize) -> Option<(usize, bool)> {
-    let digits = |mut j: usize| {
-        while b.get(j).is_some_and(u8::is_ascii_digit) {
-            j += 1;
-        }
-        j
-    };
-    if b.get(i) == Some(&b'-') {
-        i += 1;
-    }
-    let end = digits(i);
-    // At least one digit, and no leading zero.
-    if end == i || (b[i] == b'0' && end > i + 1) {
-        return None;
-    }
-    i = end;
-    let mut whole = true;
-    if b.get(i) == Some(&b'.') {
-        let end = digits(i + 1);
-        if end == i + 1 {
-            return None;
-        }
-        i = end;
-        whole = false;
-    }
-    if let Some(b'e' | b'E') = b.get(i) {
-        i += 1;
-        if let Some(b'+' | b'-') = b.get(i) {
-            i += 1;
-        }
-        let end = digits(i);
-        if end == i {
-            return None;
-        }
-        i = end;
-        whole = false;
-    }
-    Some((i, whole))
-}
-
-// Eight bytes at a time, in safe code: a byte of `x ^ (ONES * c)` is zero
-// where `x` holds `c`. In `zeros(v)` the lowest set high bit marks the first
-// zero byte exactly (a false mark can only sit above a true one), so the
-// first match of any of several masks is the lowest bit of their union.
-// On x86_64 only the tests use these (the scanners use SSE2 there).
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-pub(crate) const ONES: u64 = 0x0101_0101_0101_0101;
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-pub(crate) const HIGH: u64 = 0x8080_8080_8080_8080;
-
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-pub(crate) fn zeros(v: u64) -> u64 {
-    v.wrapping_sub(ONES) & !v & HIGH
-}
-
-/// The scanners' blocks: 16 bytes in an SSE2 register on x86_64 (every
-/// x86_64 has SSE2; `safe_arch` wraps the intrinsics safely), a bit per
-/// byte and no false marks. On the bench's 815-byte pretty-printed
-/// completion a pick takes 7,400 instructions against 8,700 with the
-/// eight-byte words kept for other targets (callgrind,
-/// `examples/pick_instructions.rs`), a small API request 61,200 against
-/// 62,300 (`scripts/instructions.sh`).
-#[cfg(target_arch = "x86_64")]
-mod sse2 {
-    use safe_arch::*;
-
-    pub const W: usize = 16;
-
-    pub struct Block(m128i);
-
-    /// The 16 bytes at `i`, if there are 16.
-    #[inline(always)]
-    pub fn load(b: &[u8], i: usize) -> Option<Block> {
-        let bytes: [u8; 16] = b.get(i..i + 16)?.try_into().ok()?;
-        Some(Block(load_unaligned_m128i(&bytes)))
-    }
-
-    /// The offset of the first marked byte of a non-zero mask.
-    #[inline(always)]
-    pub fn first(m: u32) -> usize {
-        m.trailing_zeros() as usize
-    }
-
-    #[inline(always)]
-    fn eq(v: m128i, c: u8) -> m128i {
-        cmp_eq_mask_i8_m128i(v, set_splat_i8_m128i(c as i8))
-    }
-
-    #[inline(always)]
-    fn mask(m: m128i) -> u32 {
-        move_mask_i8_m128i(m) as u32
-    }
-
-    impl Block {
-        #[inline(always)]
-        pub fn quote_or_escape(&self) -> u32 {
-            mask(bitor_m128i(eq(self.0, b'"'), eq(self.0, b'\\')))
-        }
-
-        /// Bytes other than JSON's four whitespace characters.
-        #[inline(always)]
-        pub fn not_ws(&self) -> u32 {
-            let ws = bitor_m128i(
-                bitor_m128i(eq(self.0, b' '), eq(self.0, b'\n')),
-                bitor_m128i(eq(self.0, b'\r'), eq(self.0, b'\t')),
-            );
-            !mask(ws) & 0xffff
-        }
-    }
-
-    /// A bit per quote, backslash and bracket of 64 bytes, four blocks.
-    #[inline(always)]
-    pub fn marks64(block: &[u8; 64]) -> super::Marks {
-        let mut m = super::Marks {
-            quote: 0,
-            backslash: 0,
-            bracket: 0,
-        };
-        for (k, bytes) in block.chunks_exact(W).enumerate() {
-            let bytes: &[u8; 16] = bytes.try_into().unwrap_or(&[0; 16]);
-            let v = load_unaligned_m128i(bytes);
-            // `| 0x20` folds `[` into `{` and `]` into `}`, nothing else.
-            let y = bitor_m128i(v, set_splat_i8_m128i(0x20));
-            let at = |x| u64::from(mask(x)) << (k * W);
-            m.quote |= at(eq(v, b'"'));
-            m.backslash |= at(eq(v, b'\\'));
-            m.bracket |= at(bitor_m128i(eq(y, b'{'), eq(y, b'}')));
-        }
-        m
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-use sse2 as lanes;
-#[cfg(not(target_arch = "x86_64"))]
-use swar as lanes;
-
-/// Eight bytes as a `u64`, a high bit per marked byte (see [`zeros`]): any
-/// target. On x86_64 only the tests use it, against [`sse2`].
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-mod swar {
-    use super::{zeros, ONES};
-
-    pub const W: usize = 8;
-
-    pub struct Block(u64);
-
-    #[inline(always)]
-    pub fn load(b: &[u8], i: usize) -> Option<Block> {
-        let w: [u8; 8] = b.get(i..i + 8)?.try_into().ok()?;
-        Some(Block(u64::from_le_bytes(w)))
-    }
-
-    #[inline(always)]
-    pub fn first(m: u64) -> usize {
-        m.trailing_zeros() as usize / 8
-    }
-
-    impl Block {
-        #[inline(always)]
-        pub fn quote_or_escape(&self) -> u64 {
-            zeros(self.0 ^ (ONES * u64::from(b'"'))) | zeros(self.0 ^ (ONES * u64::from(b'\\')))
-        }
-    }
-
-    /// A bit per quote, backslash and bracket of 64 bytes, byte by byte:
-    /// other targets' blocks, and the definition the SSE2 blocks are
-    /// tested against.
-    pub fn marks64(block: &[u8; 64]) -> super::Marks {
-        let mut m = super::Marks {
-            quote: 0,
-            backslash: 0,
-            bracket: 0,
-        };
-        for (k, &c) in block.iter().enumerate() {
-            let bit = 1u64 << k;
-            match c {
-                b'"' => m.quote |= bit,
-                b'\\' => m.backslash |= bit,
-                b'{' | b'}' | b'[' | b']' => m.bracket |= bit,
-                _ => {}
-            }
-        }
-        m
-    }
-}
-
-/// The index of the first quote or backslash at or after `i`: a block at a
-/// time over a string's first bytes (most are short), memchr past them.
-#[inline]
-fn next_quote_or_escape(b: &[u8], mut i: usize) -> Option<usize> {
-    let far = i + 64;
-    while let Some(v) = lanes::load(b, i) {
-        let m = v.quote_or_escape();
-        if m != 0 {
-            return Some(i + lanes::first(m));
-        }
-        i += lanes::W;
-        if i >= far {
-            return Some(i + memchr::memchr2(b'"', b'\\', b.get(i..)?)?);
-        }
-    }
-    let k = b.get(i..)?.iter().position(|&c| c == b'"' || c == b'\\')?;
-    Some(i + k)
-}
-
-/// Index just past the closing quote of the string opening at `i`, and
-/// whether the string holds an escape. Not `estimate::json`'s finder, which
-/// jumps quote to quote through a history's long escaped strings: a
-/// response's strings are short, and the escape flag spares a second
-/// search of every member name.
-#[inline]
-fn string_end(b: &[u8], i: usize) -> Option<(usize, bool)> {
-    let mut j = i + 1;
-    let mut escaped = false;
-    loop {
-        let q = next_quote_or_escape(b, j)?;
-        if b[q] == b'"' {
-            return Some((q + 1, escaped));
-        }
-        escaped = true;
-        // An escape: step over the backslash and the character it escapes.
-        j = q + 2;
-    }
-}
-
-/// Index just past the bracket that closes the one at `i` (a value the
-/// provider does not read), its brackets paired by kind and strings
-/// stepped over, `depth` deep already.
-///
-/// simdjson's way, 64 bytes a step: a bit per quote, backslash and
-/// bracket; escaped quotes dropped (an odd run of backslashes before
-/// them); a prefix XOR of the quotes marks what is inside strings; the
-/// brackets outside them are read one by one. The bench's pretty-printed
-/// completion steps over its `choices` and `completion_tokens_details`
-/// this way at a few instructions a byte, where stopping at every quote
-/// cost about twice that. A string running past a block's end is finished
-/// by [`string_end`]'s search (memchr over a long one), and the blocks
-/// start again after it.
-fn container_end(b: &[u8], i: usize, depth: usize) -> Option<usize> {
-    // A bit per open level, set for `{`; the outermost is bit 0 of `nested`.
-    let (mut kinds, mut nested) = (0u128, 0u32);
-    let mut base = i;
-    // Block state carried over: inside a string, after an escaping backslash.
-    let (mut inside_carry, mut escape_carry) = (0u64, 0u64);
-    loop {
-        let (marks, valid) = block_marks(b, base)?;
-        let escaped = escaped_by(marks.backslash, &mut escape_carry);
-        let quotes = marks.quote & !escaped;
-        let inside = prefix_xor(quotes) ^ inside_carry;
-        let mut brackets = marks.bracket & !inside & valid;
-        while brackets != 0 {
-            let at = base + brackets.trailing_zeros() as usize;
-            brackets &= brackets - 1;
-            match b[at] {
-                c @ (b'{' | b'[') => {
-                    if depth + nested as usize > MAX_DEPTH {
-                        return None;
-                    }
-                    kinds = kinds << 1 | u128::from(c == b'{');
-                    nested += 1;
-                }
-                c => {
-                    if nested == 0 || (kinds & 1 == 1) != (c == b'}') {
-                        return None;
-                    }
-                    kinds >>= 1;
-                    nested -= 1;
-                    if nested == 0 {
-                        return Some(at + 1);
-                    }
-                }
-            }
-        }
-        if valid != u64::MAX {
-            // The text ended inside the value.
-            return None;
-        }
-        base += 64;
-        if (inside as i64) < 0 {
-            // A string runs on past the block: find its end by search (the
-            // byte after an escaping backslash is not its end).
-            base = string_rest(b, base + escape_carry as usize)?;
-            escape_carry = 0;
-        }
-        inside_carry = 0;
-    }
-}
-
-/// simdjson's escape scan: the bytes escaped by a backslash (the byte after
-/// each odd-length run), given whether the previous block ended on an
-/// escaping backslash; `carry` becomes whether this one does.
-fn escaped_by(backslash: u64, carry: &mut u64) -> u64 {
-    const ODD: u64 = 0xAAAA_AAAA_AAAA_AAAA;
-    if backslash == 0 {
-        return std::mem::take(carry);
-    }
-    let potential = backslash & !*carry;
-    let maybe_escaped = potential << 1;
-    let terminal = ((maybe_escaped | ODD).wrapping_sub(potential)) ^ ODD;
-    let escaped = terminal ^ (backslash | *carry);
-    *carry = (terminal & backslash) >> 63;
-    escaped
-}
-
-/// Bit `k` set where an odd number of bits `0..=k` are: from the opening
-/// quote of a string up to (not including) its closing one.
-fn prefix_xor(mut x: u64) -> u64 {
-    for s in [1, 2, 4, 8, 16, 32] {
-        x ^= x << s;
-    }
-    x
-}
-
-/// Index just past the quote that closes a string whose bytes continue at
-/// `j` (not on an escaped byte).
-fn string_rest(b: &[u8], mut j: usize) -> Option<usize> {
-    loop {
-        let q = next_quote_or_escape(b, j)?;
-        if b[q] == b'"' {
-            return Some(q + 1);
-        }
-        j = q + 2;
-    }
-}
-
-/// A block's bits: quotes, backslashes and brackets of any kind.
-struct Marks {
-    quote: u64,
-    backslash: u64,
-    bracket: u64,
-}
-
-/// The marks of the 64 bytes at `base` and a bit per byte that is in `b`
-/// (all set but at the end); `None` past the end.
-#[inline(always)]
-fn block_marks(b: &[u8], base: usize) -> Option<(Marks, u64)> {
-    let rest = b.get(base..).filter(|r| !r.is_empty())?;
-    if let Some(block) = rest.first_chunk::<64>() {
-        return Some((lanes::marks64(block), u64::MAX));
-    }
-    // The last bytes, padded with spaces (no mark).
-    let mut block = [b' '; 64];
-    block[..rest.len()].copy_from_slice(rest);
-    Some((lanes::marks64(&block), (1u64 << rest.len()) - 1))
-}
-
 /// Feed `feed` the JSON value `b` (already known to be valid) without any
 /// object member named `drop`, at any depth, and without the separator
 /// that joined it to its neighbours: what a client that moves such a
@@ -598,13 +272,6 @@ fn block_marks(b: &[u8], base: usize) -> Option<(Marks, u64)> {
 /// one call. `None`: a string or bracket that does not close (the caller
 /// then uses the raw bytes).
 pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()> {
-    let ws = |c: u8| matches!(c, b' ' | b'\t' | b'\n' | b'\r');
-    let skip_ws = |mut j: usize| {
-        while b.get(j).is_some_and(|&c| ws(c)) {
-            j += 1;
-        }
-        j
-    };
     // Bytes from `run` on are not fed yet; `end` is where the last value
     // ended; `kept`: a member of the innermost open object was kept (a
     // dropped one then takes the separator before it, else the one after).
@@ -613,7 +280,7 @@ pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()
         match c {
             b'"' => {
                 let (close, _) = string_end(b, i)?;
-                let colon = skip_ws(close);
+                let colon = skip_ws(b, close);
                 if b.get(colon) != Some(&b':') {
                     // A string value.
                     i = close;
@@ -625,7 +292,7 @@ pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()
                     i = close;
                     continue;
                 }
-                let v = skip_ws(colon + 1);
+                let v = skip_ws(b, colon + 1);
                 let vend = match *b.get(v)? {
                     b'{' | b'[' => container_end(b, v, 0)?,
                     b'"' => string_end(b, v)?.0,
@@ -639,9 +306,9 @@ pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()
                 } else {
                     // `"drop": …, ` goes up to the next member's name.
                     feed(&b[run..i]);
-                    let mut next = skip_ws(vend);
+                    let mut next = skip_ws(b, vend);
                     if b.get(next) == Some(&b',') {
-                        next = skip_ws(next + 1);
+                        next = skip_ws(b, next + 1);
                     }
                     run = next;
                     i = next;
@@ -668,17 +335,12 @@ pub fn content(b: &[u8], drop: &[u8], feed: &mut impl FnMut(&[u8])) -> Option<()
     Some(())
 }
 
-/// The end of the number or literal at `i` (already known to be valid JSON).
-fn scalar_end(b: &[u8], i: usize) -> usize {
-    i + b[i..]
-        .iter()
-        .position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
-        .unwrap_or(b.len() - i)
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::json::simd::sse2;
+    use crate::json::simd::{escaped_by, swar, Marks};
     use crate::provider::Api;
     use serde::de::DeserializeSeed;
 

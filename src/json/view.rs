@@ -7,6 +7,8 @@ use std::ops::Range;
 
 use serde::de::DeserializeOwned;
 
+use super::simd::{Block, Native};
+
 /// The raw JSON text of one value, a slice of the body it came from,
 /// checked as valid JSON when the body was read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,9 +193,7 @@ struct Scan<'a> {
 
 impl<'a> Scan<'a> {
     fn ws(&mut self) {
-        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.b.get(self.i) {
-            self.i += 1;
-        }
+        self.i = super::skip_ws(self.b, self.i);
     }
 
     fn eat(&mut self, c: u8) -> Option<()> {
@@ -281,7 +281,7 @@ impl<'a> Scan<'a> {
     }
 
     fn number(&mut self) -> Option<()> {
-        self.i = crate::pick::number_end(self.b, self.i)?.0;
+        self.i = super::number_end(self.b, self.i)?.0;
         Some(())
     }
 
@@ -376,81 +376,12 @@ fn escape_end(b: &[u8], q: usize) -> Option<usize> {
     }
 }
 
-/// How [`Scan::string`] finds the quotes, backslashes and control
-/// characters of a block of `W` bytes: `marks` sets bits `FIELD << (k <<
-/// SHIFT)` for byte `k`, and the lowest mark is always a true one.
-trait Block {
-    const W: usize;
-    const SHIFT: u32;
-    const FIELD: u64;
-    fn marks(w: &[u8]) -> u64;
-}
-
-/// Eight bytes in a `u64`: any target. On x86_64 only the tests use it,
-/// against [`Sse2`] and serde.
-#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-struct Swar;
-
-impl Block for Swar {
-    const W: usize = 8;
-    const SHIFT: u32 = 3;
-    const FIELD: u64 = 0xff;
-
-    /// The high bit of a byte, in safe code. A byte of `x ^ (ONES * c)` is
-    /// zero where `x` holds `c`; `x - ONES * 0x20` borrows in a byte below
-    /// 0x20, and `!x` keeps bytes of 0x80 and up out. A false mark can only
-    /// sit above a true one, so the lowest mark is always true.
-    fn marks(w: &[u8]) -> u64 {
-        use crate::pick::{zeros, HIGH, ONES};
-        let x = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
-        zeros(x ^ (ONES * u64::from(b'"')))
-            | zeros(x ^ (ONES * u64::from(b'\\')))
-            | (x.wrapping_sub(ONES * 0x20) & !x & HIGH)
-    }
-}
-
-/// 32 bytes as two SSE2 registers (every x86_64 has SSE2; `safe_arch` wraps
-/// the intrinsics safely): a bit per byte, no false marks. A history's
-/// prose, CJK and base64 run hundreds of bytes between escapes. On the
-/// 410 KB history of `examples/estimate_bench`, `RequestView::parse` took
-/// 54-71 µs with this against 92-105 µs with [`Swar`] (alternating runs);
-/// 64-byte blocks measured the same as 32.
-#[cfg(target_arch = "x86_64")]
-struct Sse2;
-
-#[cfg(target_arch = "x86_64")]
-impl Block for Sse2 {
-    const W: usize = 32;
-    const SHIFT: u32 = 0;
-    const FIELD: u64 = 1;
-
-    fn marks(w: &[u8]) -> u64 {
-        use safe_arch::*;
-        let half = |k: usize| {
-            let bytes: [u8; 16] = w
-                .get(k..k + 16)
-                .and_then(|s| s.try_into().ok())
-                .unwrap_or([0; 16]);
-            let v = load_unaligned_m128i(&bytes);
-            let quote = cmp_eq_mask_i8_m128i(v, set_splat_i8_m128i(b'"' as i8));
-            let slash = cmp_eq_mask_i8_m128i(v, set_splat_i8_m128i(b'\\' as i8));
-            // Bytes below 0x20: unchanged by an unsigned min with 0x1f.
-            let control = cmp_eq_mask_i8_m128i(min_u8_m128i(v, set_splat_i8_m128i(0x1f)), v);
-            let m = bitor_m128i(bitor_m128i(quote, slash), control);
-            u64::from(move_mask_i8_m128i(m) as u16)
-        };
-        half(0) | half(16) << 16
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-type Native = Sse2;
-#[cfg(not(target_arch = "x86_64"))]
-type Native = Swar;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::json::simd::Sse2;
+    use crate::json::simd::Swar;
 
     #[test]
     fn view_keeps_raw_slices_and_order() {
@@ -626,7 +557,7 @@ mod tests {
         #[test]
         fn any_object_scans_as_serde_reads_it(
             members in proptest::collection::vec(
-                ("[a-z\"\\\\\u{1}\u{e9} ]{0,6}", crate::pick::tests::any_json()),
+                ("[a-z\"\\\\\u{1}\u{e9} ]{0,6}", crate::json::pick::tests::any_json()),
                 0..6,
             ),
             pretty in proptest::prelude::any::<bool>(),
