@@ -100,14 +100,12 @@
 pub mod config;
 pub mod demo;
 pub mod estimate;
-pub mod h1;
 pub mod inject;
 pub mod inspect;
 pub mod metrics;
 pub mod otel;
 pub mod page;
 pub mod pick;
-pub mod pool;
 pub mod provider;
 pub mod proxy;
 pub mod server;

@@ -161,7 +161,7 @@ pub async fn run(
 /// (futex wakes, inter-processor interrupts, cold caches). One loop per
 /// thread serves each connection start to finish where it was accepted, and
 /// its upstream connections are made and pooled there too (see
-/// [`crate::pool`]): 18-20% more requests/s on small requests and 14% on
+/// [`crate::upstream`]): 18-20% more requests/s on small requests and 14% on
 /// streams in `examples/bench`, at 20% less CPU per request. State shared by
 /// all (sessions, metrics, caches) stays shared.
 ///
@@ -199,7 +199,7 @@ impl Worker {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
-                crate::pool::set_worker(index);
+                crate::upstream::set_worker(index);
                 let state = proxy::Local::new(state);
                 let over = rt.block_on(async move {
                     let graceful = GracefulShutdown::new();

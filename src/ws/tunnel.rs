@@ -26,10 +26,10 @@ use tokio::sync::Notify;
 
 use crate::config::Upstream;
 use crate::metrics;
-use crate::pool::Upgrade;
 use crate::provider::{self, Api};
 use crate::proxy::{self, Local, ProxyError};
 use crate::tap::{Finish, ObservedBody, Watch as BodyWatch};
+use crate::upstream::Upgrade;
 use crate::upstream::{self, UpstreamError};
 
 /// Bytes a direction holds for its writer before it stops reading: a slow

@@ -49,9 +49,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
-use crate::h1::{self, Decoded, Sent, Sink};
+use super::h1::{self, Decoded, Sent, Sink};
+use super::{TimedConnector, UpBody, UpstreamError};
 use crate::tap::BoxError;
-use crate::upstream::{TimedConnector, UpBody, UpstreamError};
 
 /// An HTTP/1.1 connection: the (maybe TLS) socket, seen through tokio's
 /// read and write traits, and its read buffer. Boxed once when it is made:
@@ -96,7 +96,7 @@ impl Key {
     /// `Host` for a request that has none: this key's authority.
     fn host(&self, req: &mut Request<UpBody>) {
         if !req.headers().contains_key(HOST) {
-            if let Some(v) = crate::upstream::host_value(&self.1) {
+            if let Some(v) = super::host_value(&self.1) {
                 req.headers_mut().insert(HOST, v);
             }
         }

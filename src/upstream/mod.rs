@@ -1,6 +1,9 @@
 //! The one pooled upstream client (rustls, HTTP/2 by ALPN), hop-by-hop header
 //! handling, and the classification of upstream failures.
 
+mod h1;
+mod pool;
+
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
@@ -21,7 +24,7 @@ use crate::config::Config;
 /// Request bodies sent upstream: the inspected bytes, or the client's stream.
 pub type UpBody = UnsyncBoxBody<Bytes, hyper::Error>;
 
-pub use crate::pool::{Client, UpstreamBody};
+pub use pool::{set_worker, Client, Upgrade, UpstreamBody};
 
 /// Why an upstream exchange failed; each maps to a status and an
 /// `x-tidemark-error` kind in `proxy.rs`.
