@@ -32,10 +32,10 @@ use crate::session::identity::{self, asking, credential_hash, ContentOnce};
 use crate::session::{
     decimal, Begun, KeySource, Outcome, Projection, RequestFacts, Ruler, SessionConfig, Store,
 };
+use crate::tap::usage::UsageReader;
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::trim::{self, Cut};
 use crate::upstream::{self, Client, UpBody, UpstreamBody, UpstreamError};
-use crate::usage::UsageReader;
 
 /// Everything a request needs that outlives it.
 pub struct State {
@@ -856,7 +856,7 @@ async fn api_request(
                     .await
                     .map(|c| c.to_bytes())
                     .unwrap_or_default();
-                if crate::inject::mentions_stream_options(&bytes) {
+                if crate::tap::inject::mentions_stream_options(&bytes) {
                     state
                         .no_stream_options
                         .insert(upstream.authority.as_str().to_string());
@@ -927,12 +927,12 @@ async fn api_request(
                 None | Some("") => (true, None),
                 Some(e) if e.eq_ignore_ascii_case("identity") => (true, None),
                 Some(e) => {
-                    let d = crate::usage::BodyDecoder::new(e);
+                    let d = crate::tap::usage::BodyDecoder::new(e);
                     (d.is_some(), d)
                 }
             };
             if strip {
-                watch.stripper = Some(crate::inject::UsageStripper::new());
+                watch.stripper = Some(crate::tap::inject::UsageStripper::new());
                 rparts.headers.remove(CONTENT_LENGTH);
             }
             if decoder.is_some() {
@@ -1233,8 +1233,10 @@ fn usage_injection(
         return None;
     }
     let injected = match edited {
-        None => crate::inject::inject_include_usage(plain, view),
-        Some(t) => RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v)),
+        None => crate::tap::inject::inject_include_usage(plain, view),
+        Some(t) => {
+            RequestView::parse(t).and_then(|v| crate::tap::inject::inject_include_usage(t, &v))
+        }
     }?;
     // Asked last: most clients ask for usage themselves (no edit), and the
     // lookup hashes the authority on every stream.
