@@ -97,13 +97,13 @@
 //! serves it alone, for real agents.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod estimate;
 pub mod inspect;
 pub mod metrics;
 pub mod otel;
-pub mod page;
 pub mod pick;
 pub mod provider;
 pub mod proxy;
