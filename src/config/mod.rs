@@ -1,6 +1,8 @@
 //! Flags (clap, each also read from `TIDEMARK_<FLAG>`) parsed into a raw
 //! struct, then validated into the [`Config`] the rest of the code reads.
 
+pub mod otlp;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -375,7 +377,7 @@ pub struct Config {
     pub log_format: LogFormat,
     /// OTLP export, when an endpoint is configured (`--otlp-endpoint` or
     /// the `OTEL_*` variables).
-    pub otlp: Option<crate::otel::OtlpConfig>,
+    pub otlp: Option<otlp::OtlpConfig>,
 }
 
 /// The routes every install starts with; `--route` adds to them, and a route
@@ -485,10 +487,7 @@ impl Flags {
                 self.state
             ));
         }
-        let otlp = crate::otel::OtlpConfig::resolve(
-            self.otlp_endpoint.as_deref(),
-            &crate::otel::config::process_env,
-        )?;
+        let otlp = otlp::OtlpConfig::resolve(self.otlp_endpoint.as_deref(), &otlp::process_env)?;
         Ok(Config {
             otlp,
             listen: self.listen,
