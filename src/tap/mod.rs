@@ -18,11 +18,11 @@ use pin_project_lite::pin_project;
 use prometheus::Histogram;
 use tokio::time::Sleep;
 
+pub use crate::upstream::BoxError;
 use crate::upstream::UpstreamError;
 use inject::UsageStripper;
 use usage::{BodyDecoder, BrokenBody, ReadOutcome, UsageReader};
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type InnerBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// How a response body ended.

@@ -21,6 +21,9 @@ use tokio::net::TcpStream;
 
 use crate::config::Config;
 
+/// The error of a response body, upstream's or the tap's around it.
+pub type BoxError = Box<dyn StdError + Send + Sync>;
+
 /// Request bodies sent upstream: the inspected bytes, or the client's stream.
 pub type UpBody = UnsyncBoxBody<Bytes, hyper::Error>;
 
@@ -113,14 +116,12 @@ pub struct TimedConnector {
     timeout: Duration,
 }
 
-type BoxErr = Box<dyn StdError + Send + Sync>;
-
 impl tower_service::Service<http::Uri> for TimedConnector {
     type Response = MaybeHttpsStream<TokioIo<TcpStream>>;
-    type Error = BoxErr;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxErr>> + Send>>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxErr>> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx)
     }
 
@@ -133,7 +134,7 @@ impl tower_service::Service<http::Uri> for TimedConnector {
                 Err(_) => Err(Box::new(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "upstream connect timed out",
-                )) as BoxErr),
+                )) as BoxError),
             }
         })
     }

@@ -50,8 +50,7 @@ use tokio::net::TcpStream;
 use tower_service::Service;
 
 use super::h1::{self, Decoded, Sent, Sink};
-use super::{TimedConnector, UpBody, UpstreamError};
-use crate::tap::BoxError;
+use super::{BoxError, TimedConnector, UpBody, UpstreamError};
 
 /// An HTTP/1.1 connection: the (maybe TLS) socket, seen through tokio's
 /// read and write traits, and its read buffer. Boxed once when it is made:
