@@ -933,67 +933,49 @@ async fn wait_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// `tidemark demo`: start the simulated provider and the proxy, run the
-/// scripted sessions, print the tables and the story; with `keep_running`,
-/// stay up with light traffic until Ctrl-C.
-pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), String> {
-    if turns == 0 {
-        return Err("--turns must be at least 1".to_string());
-    }
-    let sim_cfg = SimConfig {
+/// The simulated provider the tables run against: paced like a real one
+/// when it stays up for a person to watch, at full speed otherwise.
+fn demo_sim(keep_running: bool) -> SimConfig {
+    let pace = |d| if keep_running { d } else { Duration::ZERO };
+    SimConfig {
         context_window: Some(DEMO_WINDOW),
         gzip: true,
-        first_byte_delay: if keep_running {
-            Duration::from_millis(40)
-        } else {
-            Duration::ZERO
-        },
-        chunk_delay: if keep_running {
-            Duration::from_millis(4)
-        } else {
-            Duration::ZERO
-        },
+        first_byte_delay: pace(Duration::from_millis(40)),
+        chunk_delay: pace(Duration::from_millis(4)),
         ..SimConfig::default()
-    };
-    let story_flags = flags.clone();
-    let story_sim = SimConfig {
-        context_window: Some(DEMO_WINDOW),
-        ..SimConfig::default()
-    };
-    let stack = start(flags, sim_cfg).await?;
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
-    let estimator = Estimator::new(64 << 20);
-    let dump = std::env::var_os("TIDEMARK_DEMO_DUMP").map(std::path::PathBuf::from);
-    if let Some(d) = &dump {
-        std::fs::create_dir_all(d).map_err(|e| format!("TIDEMARK_DEMO_DUMP: {e}"))?;
     }
-    let tty_out = std::io::stdout().is_terminal();
-    let paint = Paint(tty_out);
-    let progress = if std::io::stderr().is_terminal() {
-        let pb = indicatif::ProgressBar::new(u64::from(turns) * 2);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
-        ) {
-            pb.set_style(style);
-        }
-        pb
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    // A wildcard listen address (0.0.0.0 in a container) is not a URL to
-    // copy: show loopback, which is also what a published port maps to.
-    let shown = |a: std::net::SocketAddr| {
-        let mut a = a;
-        if a.ip().is_unspecified() {
-            a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        a
-    };
-    let admin_shown = shown(stack.admin);
+}
+
+/// A bar on a terminal's stderr, nothing when it is piped.
+fn progress_bar(turns: u32) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(u64::from(turns) * 2);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
+    ) {
+        pb.set_style(style);
+    }
+    pb
+}
+
+/// A wildcard listen address (0.0.0.0 in a container) is not a URL to
+/// copy: show loopback, which is also what a published port maps to.
+fn shown(mut a: SocketAddr) -> SocketAddr {
+    if a.ip().is_unspecified() {
+        a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    a
+}
+
+/// What runs where, printed before the scripted sessions.
+fn print_banner(stack: &Stack, keep_running: bool) {
     if keep_running {
         // First, so the page can be open while the scripted sessions run.
         println!(
-            "tidemark demo: live sessions page at http://{admin_shown}/{}",
+            "tidemark demo: live sessions page at http://{}/{}",
+            shown(stack.admin),
             if stack.admin_token {
                 " (it asks for the --admin-token)"
             } else {
@@ -1005,6 +987,84 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
         "tidemark demo: simulated provider (OpenAI counted in cl100k_base, Anthropic in p50k_base, + hidden framing) behind the real proxy at http://{}",
         stack.proxy
     );
+}
+
+/// Where to point an agent, a browser and curl while the demo stays up.
+fn print_live_help(stack: &Stack) {
+    let base = format!("http://{}", shown(stack.proxy));
+    let admin_shown = shown(stack.admin);
+    println!("\ntidemark is up in front of the simulated provider (Ctrl-C to stop):");
+    println!("  sessions page:       http://{admin_shown}/");
+    println!("  OpenAI base URL:     {base}/v1");
+    println!("  Anthropic base URL:  {base}");
+    println!("  metrics:             http://{admin_shown}/metrics");
+    println!("  sessions:            http://{admin_shown}/sessions");
+    if stack.proxy.ip().is_unspecified() {
+        println!("  (listening on all interfaces: from another host or a container's host, use its address and the published port)");
+    }
+    println!("\n  curl -sN {base}/v1/chat/completions -H 'authorization: Bearer sk-demo' -H 'content-type: application/json' -H 'x-session-id: try-1' -d '{{\"model\":\"gpt-4o\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello 👋\"}}]}}' -D - -o /dev/null");
+    println!("  curl -sN {base}/v1/messages -H 'x-api-key: sk-ant-demo' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":256,\"messages\":[{{\"role\":\"user\",\"content\":\"こんにちは\"}}]}}' -D -");
+    println!("  curl -s http://{admin_shown}/metrics | grep tidemark_projection");
+}
+
+/// Light traffic for the live page: new sessions on both APIs, paced,
+/// until the task is aborted.
+fn keep_traffic(
+    client: HttpClient,
+    estimator: Estimator,
+    proxy: SocketAddr,
+    turns: u32,
+    gates: (f64, f64),
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let hidden = indicatif::ProgressBar::hidden();
+        for round in 2u64.. {
+            for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
+                .into_iter()
+                .enumerate()
+            {
+                let key = format!("demo-{}-{round}", api_name(api));
+                let _ = run_session(
+                    &client,
+                    proxy,
+                    &estimator,
+                    api,
+                    key,
+                    turns.max(30),
+                    0x7AD3 + round * 2 + i as u64,
+                    gates,
+                    &hidden,
+                    None,
+                    Duration::from_millis(400),
+                )
+                .await;
+            }
+        }
+    })
+}
+
+/// `tidemark demo`: start the simulated provider and the proxy, run the
+/// scripted sessions, print the tables and the story; with `keep_running`,
+/// stay up with light traffic until Ctrl-C.
+pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), String> {
+    if turns == 0 {
+        return Err("--turns must be at least 1".to_string());
+    }
+    let story_flags = flags.clone();
+    let story_sim = SimConfig {
+        context_window: Some(DEMO_WINDOW),
+        ..SimConfig::default()
+    };
+    let stack = start(flags, demo_sim(keep_running)).await?;
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let estimator = Estimator::new(64 << 20);
+    let dump = std::env::var_os("TIDEMARK_DEMO_DUMP").map(std::path::PathBuf::from);
+    if let Some(d) = &dump {
+        std::fs::create_dir_all(d).map_err(|e| format!("TIDEMARK_DEMO_DUMP: {e}"))?;
+    }
+    let paint = Paint(std::io::stdout().is_terminal());
+    let progress = progress_bar(turns);
+    print_banner(&stack, keep_running);
     let gates = (stack.warn_at, stack.limit_at);
     let mut runs = Vec::new();
     for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
@@ -1043,47 +1103,8 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     }
 
     if keep_running {
-        let base = format!("http://{}", shown(stack.proxy));
-        println!("\ntidemark is up in front of the simulated provider (Ctrl-C to stop):");
-        println!("  sessions page:       http://{admin_shown}/");
-        println!("  OpenAI base URL:     {base}/v1");
-        println!("  Anthropic base URL:  {base}");
-        println!("  metrics:             http://{admin_shown}/metrics");
-        println!("  sessions:            http://{admin_shown}/sessions");
-        if stack.proxy.ip().is_unspecified() {
-            println!("  (listening on all interfaces: from another host or a container's host, use its address and the published port)");
-        }
-        println!("\n  curl -sN {base}/v1/chat/completions -H 'authorization: Bearer sk-demo' -H 'content-type: application/json' -H 'x-session-id: try-1' -d '{{\"model\":\"gpt-4o\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello 👋\"}}]}}' -D - -o /dev/null");
-        println!("  curl -sN {base}/v1/messages -H 'x-api-key: sk-ant-demo' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":256,\"messages\":[{{\"role\":\"user\",\"content\":\"こんにちは\"}}]}}' -D -");
-        println!("  curl -s http://{admin_shown}/metrics | grep tidemark_projection");
-        let traffic = {
-            let proxy = stack.proxy;
-            tokio::spawn(async move {
-                let hidden = indicatif::ProgressBar::hidden();
-                for round in 2u64.. {
-                    for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
-                        .into_iter()
-                        .enumerate()
-                    {
-                        let key = format!("demo-{}-{round}", api_name(api));
-                        let _ = run_session(
-                            &client,
-                            proxy,
-                            &estimator,
-                            api,
-                            key,
-                            turns.max(30),
-                            0x7AD3 + round * 2 + i as u64,
-                            gates,
-                            &hidden,
-                            None,
-                            Duration::from_millis(400),
-                        )
-                        .await;
-                    }
-                }
-            })
-        };
+        print_live_help(&stack);
+        let traffic = keep_traffic(client, estimator, stack.proxy, turns, gates);
         wait_signal().await;
         traffic.abort();
         let _ = traffic.await;
