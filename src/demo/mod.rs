@@ -603,6 +603,93 @@ pub fn parse_projection(h: &str) -> Option<(u64, String, Option<u64>)> {
     Some((tokens, src, window))
 }
 
+/// One demo request: the agent's body with its session and the API's
+/// (made-up) credentials.
+fn demo_request(
+    api: DemoApi,
+    proxy: SocketAddr,
+    path: &str,
+    key: &str,
+    body: Vec<u8>,
+) -> Result<Request<Full<Bytes>>, String> {
+    let req = Request::post(format!("http://{proxy}{path}"))
+        .header("content-type", "application/json")
+        .header("x-session-id", key);
+    let req = match api {
+        DemoApi::OpenAiChat => req.header("authorization", "Bearer sk-demo-not-a-real-key"),
+        DemoApi::Anthropic => req
+            .header("x-api-key", "sk-ant-demo-not-a-real-key")
+            .header("anthropic-version", "2023-06-01")
+            .header("accept-encoding", "gzip"),
+    };
+    req.body(Full::new(Bytes::from(body)))
+        .map_err(|e| format!("could not build the request: {e}"))
+}
+
+/// Send and read the whole response (gunzipped), each step bounded.
+async fn exchange(
+    client: &HttpClient,
+    req: Result<Request<Full<Bytes>>, String>,
+) -> Result<(http::response::Parts, String), String> {
+    let resp = match tokio::time::timeout(Duration::from_secs(60), client.request(req?)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return Err(format!("request failed: {e}")),
+        Err(_) => return Err("request timed out".to_string()),
+    };
+    let (parts, incoming) = resp.into_parts();
+    let gzip = header(&parts.headers, "content-encoding").is_some_and(|e| e.contains("gzip"));
+    let bytes = match tokio::time::timeout(Duration::from_secs(60), incoming.collect()).await {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => Bytes::new(),
+    };
+    let text = if gzip {
+        let mut s = String::new();
+        let _ = flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut s);
+        s
+    } else {
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    Ok((parts, text))
+}
+
+fn header(h: &http::HeaderMap, n: &str) -> Option<String> {
+    h.get(n).and_then(|v| v.to_str().ok()).map(str::to_string)
+}
+
+/// The table's decision column: what tidemark did, else where the
+/// projection stands against the warn and limit lines.
+fn decision(
+    h: &http::HeaderMap,
+    util: Option<f64>,
+    (warn_at, limit_at): (f64, f64),
+) -> &'static str {
+    if header(h, "x-tidemark-error").as_deref() == Some("context-budget") {
+        "reject"
+    } else if header(h, "x-context-trimmed").is_some() {
+        "trim"
+    } else if util.is_some_and(|u| u > limit_at) {
+        "over"
+    } else if header(h, "x-context-warning").is_some() || util.is_some_and(|u| u >= warn_at) {
+        "warn"
+    } else {
+        "pass"
+    }
+}
+
+/// Why a session ended on a non-200.
+fn refused(status: StatusCode, tidemark_error: Option<String>, turn: u32, window: u64) -> String {
+    if let Some(kind) = tidemark_error {
+        format!(
+            "tidemark answered {} ({kind}) at turn {turn}",
+            status.as_u16()
+        )
+    } else if status == StatusCode::BAD_REQUEST {
+        format!("the provider rejected turn {turn}: the prompt no longer fits the {window}-token window")
+    } else {
+        format!("the provider answered {} at turn {turn}", status.as_u16())
+    }
+}
+
 /// Drive one session through the proxy.
 #[allow(clippy::too_many_arguments)]
 async fn run_session(
@@ -646,72 +733,23 @@ async fn run_session(
         let est = RequestView::parse(&body)
             .map(|v| estimator.estimate(tapi.provider(), &v, Some(agent.model)))
             .unwrap_or_default();
-        let mut req = Request::post(format!("http://{proxy}{path}"))
-            .header("content-type", "application/json")
-            .header("x-session-id", &key);
-        req = match api {
-            DemoApi::OpenAiChat => req.header("authorization", "Bearer sk-demo-not-a-real-key"),
-            DemoApi::Anthropic => req
-                .header("x-api-key", "sk-ant-demo-not-a-real-key")
-                .header("anthropic-version", "2023-06-01")
-                .header("accept-encoding", "gzip"),
-        };
-        let req = match req.body(Full::new(Bytes::from(body))) {
+        let (parts, text) = match exchange(client, demo_request(api, proxy, path, &key, body)).await
+        {
             Ok(r) => r,
             Err(e) => {
-                run.ended = Some(format!("could not build the request: {e}"));
+                run.ended = Some(e);
                 break;
             }
         };
-        let resp = match tokio::time::timeout(Duration::from_secs(60), client.request(req)).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                run.ended = Some(format!("request failed: {e}"));
-                break;
-            }
-            Err(_) => {
-                run.ended = Some("request timed out".to_string());
-                break;
-            }
-        };
-        let (parts, incoming) = resp.into_parts();
-        let hdr = |n: &str| {
-            parts
-                .headers
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
+        let hdr = |n: &str| header(&parts.headers, n);
         let real = hdr(X_SIM_PROMPT_TOKENS).and_then(|v| v.parse::<u64>().ok());
         let proj = hdr("x-context-projection").and_then(|h| parse_projection(&h));
         if let Some(w) = proj.as_ref().and_then(|p| p.2) {
             run.window = w;
         }
-        let gzip = hdr("content-encoding").is_some_and(|e| e.contains("gzip"));
-        let bytes = match tokio::time::timeout(Duration::from_secs(60), incoming.collect()).await {
-            Ok(Ok(c)) => c.to_bytes(),
-            _ => Bytes::new(),
-        };
-        let text = if gzip {
-            let mut s = String::new();
-            let _ = flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut s);
-            s
-        } else {
-            String::from_utf8_lossy(&bytes).into_owned()
-        };
         let tidemark_error = hdr("x-tidemark-error");
         let util = proj.as_ref().map(|p| p.0 as f64 / run.window.max(1) as f64);
-        let decision = if tidemark_error.as_deref() == Some("context-budget") {
-            "reject"
-        } else if hdr("x-context-trimmed").is_some() {
-            "trim"
-        } else if util.is_some_and(|u| u > limit_at) {
-            "over"
-        } else if hdr("x-context-warning").is_some() || util.is_some_and(|u| u >= warn_at) {
-            "warn"
-        } else {
-            "pass"
-        };
+        let decision = decision(&parts.headers, util, (warn_at, limit_at));
         run.rows.push(Row {
             turn,
             status: parts.status.as_u16(),
@@ -724,22 +762,7 @@ async fn run_session(
         });
         progress.inc(1);
         if parts.status != StatusCode::OK {
-            run.ended = Some(if let Some(kind) = tidemark_error {
-                format!(
-                    "tidemark answered {} ({kind}) at turn {turn}",
-                    parts.status.as_u16()
-                )
-            } else if parts.status == StatusCode::BAD_REQUEST {
-                format!(
-                    "the provider rejected turn {turn}: the prompt no longer fits the {}-token window",
-                    run.window
-                )
-            } else {
-                format!(
-                    "the provider answered {} at turn {turn}",
-                    parts.status.as_u16()
-                )
-            });
+            run.ended = Some(refused(parts.status, tidemark_error, turn, run.window));
             break;
         }
         match parse_stream(api, &text) {
