@@ -317,16 +317,17 @@ pub(super) async fn run(
     out
 }
 
-async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<String, String> {
+/// Act 1: --on-over reject. The agent replays the gate table's session
+/// until tidemark refuses a turn. Returns what the same agent met without
+/// tidemark, for the closing comparison: its turns up to the provider's
+/// own refusal, and that refusal.
+async fn act_reject(
+    s: &Stack,
+    client: &HttpClient,
+    estimator: &Estimator,
+    out: &mut String,
+) -> Result<(Vec<Turn>, Turn), String> {
     let w = DEMO_WINDOW;
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "\n== the same agent, continued behind tidemark's policies (openai-chat · model {OPENAI_MODEL} · window {w})"
-    );
-
-    // Act 1: --on-over reject. The agent replays the gate table's session
-    // until tidemark refuses a turn.
     let r = Route {
         client,
         addr: s.reject.proxy,
@@ -374,7 +375,7 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
     };
     let msg = refused.message.clone().unwrap_or_default();
     let _ = writeln!(
-        out,
+        *out,
         "reject  turn {n} refused by tidemark, never sent: 400 context_length_exceeded (x-tidemark-error: {}) \"{}\" The provider's own count of it: {} ({} of the window): it would have taken it.",
         refused.tidemark_error.as_deref().unwrap_or("-"),
         msg.split(". Please").next().unwrap_or(&msg).trim_end_matches('.').to_string() + ".",
@@ -385,7 +386,7 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
     let after1 = r.turn(&mut agent, n + 1, false).await?;
     let after2 = r.turn(&mut agent, n + 2, false).await?;
     let _ = writeln!(
-        out,
+        *out,
         "        the agent compacted ({messages} messages -> 1 summary) and carried on: turn {} projected {}, counted {} (src={}, {}); turn {} src={} ({})",
         after1.n,
         thousands(after1.tokens()),
@@ -396,14 +397,27 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
         after2.src(),
         after2.error(),
     );
+    Ok((alone_turns, wall))
+}
+
+async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<String, String> {
+    let w = DEMO_WINDOW;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n== the same agent, continued behind tidemark's policies (openai-chat · model {OPENAI_MODEL} · window {w})"
+    );
+
+    let (alone_turns, wall) = act_reject(s, client, estimator, &mut out).await?;
 
     // Act 2: --on-over trim. The same agent from its first turn, behind a
     // tidemark that trims; the first trim, then the cut holding.
     let t = Route {
+        client,
         addr: s.trim.proxy,
         credential: "sk-demo-story-trim",
         session: "demo-story-trim",
-        ..r
+        estimator,
     };
     let mut agent = Agent::new(DemoApi::OpenAiChat, SEED);
     let mut n = 0;
