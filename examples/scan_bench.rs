@@ -9,10 +9,10 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use tidemark::inject::UsageStripper;
 use tidemark::provider::{Api, Framing};
-use tidemark::sse::SseScanner;
-use tidemark::usage::UsageReader;
+use tidemark::tap::inject::UsageStripper;
+use tidemark::tap::sse::SseScanner;
+use tidemark::tap::usage::UsageReader;
 
 /// An injected OpenAI chat stream: `"usage":null` on every chunk, usage at the end.
 fn chat_stream(chunks: usize) -> Vec<u8> {

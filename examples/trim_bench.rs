@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tidemark::estimate::{Estimate, Estimator};
 use tidemark::json::RequestView;
+use tidemark::policy::trim::Trimmed;
 use tidemark::provider::Api;
-use tidemark::trim::Trimmed;
 
 fn body() -> Vec<u8> {
     let mut msgs =
@@ -60,13 +60,22 @@ fn run(est: &Estimator, body: &[u8], need: u64, div: u64) {
         est.estimate_body(Api::OpenAiChat, b, model)
             .map_or(u64::MAX, |e| e.tokens)
     };
-    let whole = time(|| tidemark::trim::trim(Api::OpenAiChat, body, &measure, need, None));
+    let whole = time(|| tidemark::policy::trim::trim(Api::OpenAiChat, body, &measure, need, None));
     let tokens = |e: &Estimate| e.tokens;
     let parts = time(|| {
         let view = RequestView::parse(body)?;
         let p = None;
-        tidemark::trim::trim_estimated(est, Api::OpenAiChat, &view, model, &tokens, need, need, p)
-            .map(|(t, _)| t)
+        tidemark::policy::trim::trim_estimated(
+            est,
+            Api::OpenAiChat,
+            &view,
+            model,
+            &tokens,
+            need,
+            need,
+            p,
+        )
+        .map(|(t, _)| t)
     });
     for (name, (times, t)) in [("bodies estimated whole", whole), ("parts added up", parts)] {
         let Some(t) = t else {

@@ -12,7 +12,7 @@
 //! 2. **Route** (`proxy/mod.rs::handle`, the spine: named phases over one
 //!    per-request context, `proxy/ctx.rs::Ctx`, run in order by
 //!    `proxy/mod.rs::api_request`): the longest `--route` prefix
-//!    picks the upstream (`config.rs`); `provider::for_path` decides whether the
+//!    picks the upstream (`config/`); `provider::for_path` decides whether the
 //!    path is an API tidemark understands (`provider/`, one file per API).
 //!    Anything else streams through untouched (`proxy/send.rs::untouched`).
 //!    A WebSocket handshake (any path) goes to `ws/tunnel.rs`: sent upstream
@@ -65,29 +65,31 @@
 //! 6. **Decide** (`policy/decide.rs::decide`, carried out by
 //!    `proxy/phases.rs::decide`): session budget, then a `Verdict`: pass /
 //!    reject (in the provider's own error shape, `turn/error.rs`) / trim
-//!    (`policy/cut.rs`, `trim.rs`: turn-aware, sticky cut, each cut weighed
-//!    by its elements' cached counts, re-projected with the same ruler,
-//!    rejected if still over).
-//! 7. **Send** (`proxy/send.rs::send`; `upstream.rs`, `pool.rs`): hop-by-hop headers dropped, the
-//!    OpenAI chat usage option injected (`inject.rs`), connect and
-//!    response-header timeouts. tidemark's own pooled client (rustls, HTTP/2
-//!    by ALPN) speaks HTTP/1.1 itself (`h1.rs`) and has no task per
-//!    connection: the response body reads and decodes its connection, so
-//!    bytes that arrived together leave together. When no
-//!    policy can stop or change the request (`policy::settled`: `--on-over
-//!    pass`, no session budget, no exact cold start: the defaults), it
-//!    leaves right after identify (`proxy/send.rs::forward_first`), having
-//!    taken its place in its session's order (so two in flight keep the
-//!    order they came in), and steps 4-6 run while the upstream works
-//!    (`proxy/ctx.rs::meanwhile`, the one combinator).
-//! 8. **Tap** (`proxy/tap.rs::tap`, `tap.rs`): the response body is wrapped, never buffered: every
-//!    frame goes to the client as it arrives while `usage.rs` decompresses a
-//!    copy's view, frames it (`sse.rs`, NDJSON, JSON), steps over the events
-//!    that cannot carry usage, and builds for the provider only the members
-//!    it reads (`Provider::reads`), stepping over the rest by structure
-//!    alone (`json/pick.rs`). An injected stream loses on its way what the
-//!    option added (`inject.rs`), decoded first when the upstream
-//!    compressed it anyway (`usage.rs::BodyDecoder`).
+//!    (`policy/cut.rs`, `policy/trim.rs`: turn-aware, sticky cut, each cut
+//!    weighed by its elements' cached counts, re-projected with the same
+//!    ruler, rejected if still over).
+//! 7. **Send** (`proxy/send.rs::send`; `upstream/`): hop-by-hop headers
+//!    dropped, the OpenAI chat usage option injected (`tap/inject.rs`),
+//!    connect and response-header timeouts. tidemark's own pooled client
+//!    (rustls, HTTP/2 by ALPN, `upstream/pool.rs`) speaks HTTP/1.1 itself
+//!    (`upstream/h1.rs`) and has no task per connection: the response body
+//!    reads and decodes its connection, so bytes that arrived together leave
+//!    together. When no policy can stop or change the request
+//!    (`policy::settled`: `--on-over pass`, no session budget, no exact cold
+//!    start: the defaults), it leaves right after identify
+//!    (`proxy/send.rs::forward_first`), having taken its place in its
+//!    session's order (so two in flight keep the order they came in), and
+//!    steps 4-6 run while the upstream works (`proxy/ctx.rs::meanwhile`,
+//!    the one combinator).
+//! 8. **Tap** (`proxy/tap.rs::tap`, `tap/`): the response body is wrapped,
+//!    never buffered: every frame goes to the client as it arrives while
+//!    `tap/usage.rs` decompresses a copy's view, frames it (`tap/sse.rs`,
+//!    NDJSON, JSON), steps over the events that cannot carry usage, and
+//!    builds for the provider only the members it reads (`Provider::reads`),
+//!    stepping over the rest by structure alone (`json/pick.rs`). An
+//!    injected stream loses on its way what the option added
+//!    (`tap/inject.rs`), decoded first when the upstream compressed it
+//!    anyway (`tap/usage.rs::BodyDecoder`).
 //!    An error response's body is copied on the side, bounded, for what
 //!    its refusal says (`Provider::context_error`).
 //! 9. **Record** (`turn/phases.rs::record`, fired by
@@ -99,39 +101,34 @@
 //!    `--otlp-endpoint`, the request's span (begun at step 2 from the
 //!    client's `traceparent`, named as the parent in the upstream request's)
 //!    is pushed onto a bounded queue that one exporter task drains into
-//!    OTLP spans and GenAI metrics (`otel/`).
+//!    OTLP spans and GenAI metrics (`otel/`, its settings in `config/otlp.rs`).
 //!
-//! The admin listener (`server.rs::admin`) answers `/metrics` and
-//! `/sessions`, and at `/` a live sessions page (`page.rs`, `page.html`).
+//! The admin listener (`server.rs` accepts, `admin/mod.rs` answers)
+//! serves `/metrics` and `/sessions`, and at `/` a live sessions page
+//! (`admin/page.rs`, `admin/page.html`).
 //!
-//! `tidemark demo` (`demo.rs`) runs all of this against a simulated provider
+//! `tidemark demo` (`demo/`) runs all of this against a simulated provider
 //! (`sim/`, one file per API it speaks) that counts with tokenizers the
 //! estimator never uses for that API, so the drift is real; `tidemark sim`
 //! serves it alone, for real agents.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod config;
 pub mod demo;
 pub mod estimate;
-pub mod h1;
-pub mod inject;
 pub mod json;
 pub mod metrics;
 pub mod otel;
-pub mod page;
 pub mod policy;
-pub mod pool;
 pub mod provider;
 pub mod proxy;
 pub mod server;
 pub mod session;
 pub mod sim;
-pub mod sse;
 pub mod tap;
-pub mod trim;
 pub mod turn;
 pub mod upstream;
-pub mod usage;
 pub mod window;
 pub mod window_learned;
 pub mod ws;

@@ -88,8 +88,7 @@ async fn serve() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Sim(args)) => {
-            let cfg = args
-                .sim_config()
+            let cfg = tidemark::sim::SimConfig::from_args(&args)
                 .map_err(anyhow::Error::msg)
                 .context("invalid flags")?;
             let listener = tokio::net::TcpListener::bind(args.listen)

@@ -10,8 +10,8 @@ use std::sync::OnceLock;
 
 use tidemark::estimate::{Estimate, Estimator};
 use tidemark::json::RequestView;
+use tidemark::policy::trim::{trim, trim_estimated, trim_sticky, Cut, Trimmed};
 use tidemark::provider::Api;
-use tidemark::trim::{trim, trim_estimated, trim_sticky, Cut, Trimmed};
 use trim_support::*;
 
 /// One user turn: question length, tool steps (output lengths per call),

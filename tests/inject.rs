@@ -8,9 +8,9 @@ use bytes::{Bytes, BytesMut};
 use http::Response;
 use serde_json::Value;
 use support::*;
-use tidemark::inject::UsageStripper;
 use tidemark::provider::{Api, Framing};
-use tidemark::usage::UsageReader;
+use tidemark::tap::inject::UsageStripper;
+use tidemark::tap::usage::UsageReader;
 
 const PROMPT_TOKENS: u64 = 777;
 

@@ -6,8 +6,8 @@
 mod trim_support;
 
 use serde_json::Value;
+use tidemark::policy::trim::{trim, trim_sticky, Trimmed};
 use tidemark::provider::Api;
-use tidemark::trim::{trim, trim_sticky, Trimmed};
 use trim_support::*;
 
 fn run(api: Api, body: &[u8], need: u64) -> Option<Trimmed> {

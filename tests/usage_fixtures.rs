@@ -9,8 +9,8 @@ use base64::Engine;
 use proptest::prelude::*;
 use serde_json::Value;
 use tidemark::provider::{Api, Framing, Observed, Provider, Usage};
-use tidemark::sse::{SseScanner, MAX_EVENT_BYTES};
-use tidemark::usage::{ReadOutcome, UsageReader};
+use tidemark::tap::sse::{SseScanner, MAX_EVENT_BYTES};
+use tidemark::tap::usage::{ReadOutcome, UsageReader};
 
 struct Case {
     path: String,

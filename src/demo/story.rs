@@ -317,16 +317,17 @@ pub(super) async fn run(
     out
 }
 
-async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<String, String> {
+/// Act 1: --on-over reject. The agent replays the gate table's session
+/// until tidemark refuses a turn. Returns what the same agent met without
+/// tidemark, for the closing comparison: its turns up to the provider's
+/// own refusal, and that refusal.
+async fn act_reject(
+    s: &Stack,
+    client: &HttpClient,
+    estimator: &Estimator,
+    out: &mut String,
+) -> Result<(Vec<Turn>, Turn), String> {
     let w = DEMO_WINDOW;
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "\n== the same agent, continued behind tidemark's policies (openai-chat · model {OPENAI_MODEL} · window {w})"
-    );
-
-    // Act 1: --on-over reject. The agent replays the gate table's session
-    // until tidemark refuses a turn.
     let r = Route {
         client,
         addr: s.reject.proxy,
@@ -374,7 +375,7 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
     };
     let msg = refused.message.clone().unwrap_or_default();
     let _ = writeln!(
-        out,
+        *out,
         "reject  turn {n} refused by tidemark, never sent: 400 context_length_exceeded (x-tidemark-error: {}) \"{}\" The provider's own count of it: {} ({} of the window): it would have taken it.",
         refused.tidemark_error.as_deref().unwrap_or("-"),
         msg.split(". Please").next().unwrap_or(&msg).trim_end_matches('.').to_string() + ".",
@@ -385,7 +386,7 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
     let after1 = r.turn(&mut agent, n + 1, false).await?;
     let after2 = r.turn(&mut agent, n + 2, false).await?;
     let _ = writeln!(
-        out,
+        *out,
         "        the agent compacted ({messages} messages -> 1 summary) and carried on: turn {} projected {}, counted {} (src={}, {}); turn {} src={} ({})",
         after1.n,
         thousands(after1.tokens()),
@@ -396,23 +397,26 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
         after2.src(),
         after2.error(),
     );
+    Ok((alone_turns, wall))
+}
 
-    // Act 2: --on-over trim. The same agent from its first turn, behind a
-    // tidemark that trims; the first trim, then the cut holding.
-    let t = Route {
-        addr: s.trim.proxy,
-        credential: "sk-demo-story-trim",
-        session: "demo-story-trim",
-        ..r
-    };
-    let mut agent = Agent::new(DemoApi::OpenAiChat, SEED);
-    let mut n = 0;
+/// Act 2: --on-over trim. The same agent from its first turn, behind a
+/// tidemark that trims; the first trim, then the cut holding. Returns the
+/// tokens the trim's new cut cost the cache.
+async fn act_trim(
+    s: &Stack,
+    t: &Route<'_>,
+    agent: &mut Agent,
+    n: &mut u32,
+    out: &mut String,
+) -> Result<u64, String> {
+    let model = [("model", OPENAI_MODEL)];
     let first_trim = loop {
-        n += 1;
-        if n > MAX_TURNS {
+        *n += 1;
+        if *n > MAX_TURNS {
             return Err("act 2: no turn was trimmed".into());
         }
-        let turn = t.turn(&mut agent, n, false).await?;
+        let turn = t.turn(agent, *n, false).await?;
         if turn.status != 200 {
             return Err(format!("act 2: turn {n} answered {}", turn.status));
         }
@@ -420,19 +424,18 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
             break turn;
         }
     };
-    let metrics = admin_get(client, s.trim.admin, "/metrics").await;
-    let model = [("model", OPENAI_MODEL)];
+    let metrics = admin_get(t.client, s.trim.admin, "/metrics").await;
     let trim_busts = metric(
         &metrics,
         "tidemark_cache_busts_total",
         &[model[0], ("cause", "trim")],
     );
     let trim_lost = metric(&metrics, "tidemark_cache_invalidated_tokens_total", &model);
-    let held_from = n + 1;
+    let held_from = *n + 1;
     let before = s.acct.credential(t.credential);
     for _ in 0..HOLD_TURNS {
-        n += 1;
-        t.turn(&mut agent, n, false).await?;
+        *n += 1;
+        t.turn(agent, *n, false).await?;
     }
     let held = s.acct.credential(t.credential);
     let new = &held.events[before.events.len().min(held.events.len())..];
@@ -441,37 +444,48 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
         .fold((0, 0), |(r, p), e| (r + e.read, p + e.prompt));
     let held_busts = new.iter().filter(|e| e.invalidated > 0).count();
     let _ = writeln!(
-        out,
+        *out,
         "trim    turn {} behind --on-over trim: trimmed and sent (x-context-trimmed: {}); the provider counted {}.",
         first_trim.n,
         first_trim.trimmed.as_deref().unwrap_or("-"),
         thousands(first_trim.real.unwrap_or(0)),
     );
     let _ = writeln!(
-        out,
+        *out,
         "        the new cut cost the prompt cache {} tokens (tidemark_cache_busts_total{{cause=\"trim\"}} {trim_busts}); then it held: turns {held_from}-{n} read {} of their prompts from the cache, {held_busts} busts.",
         thousands(trim_lost),
         pct(read, prompt),
     );
+    Ok(trim_lost)
+}
 
-    // Act 3: one response without usage.
-    n += 1;
-    t.turn(&mut agent, n, true).await?;
-    let no_usage = n;
-    n += 1;
+/// Act 3: one response without usage. Returns the turn after it and the
+/// provider's count of the agent's whole (untrimmed) body there.
+async fn act_loss(
+    s: &Stack,
+    t: &Route<'_>,
+    agent: &mut Agent,
+    n: &mut u32,
+    out: &mut String,
+) -> Result<(Turn, u64), String> {
+    let model = [("model", OPENAI_MODEL)];
+    *n += 1;
+    t.turn(agent, *n, true).await?;
+    let no_usage = *n;
+    *n += 1;
     // The agent's own body, as the provider would count it untrimmed.
     let whole = sim::count_prompt_with(sim::SimApi::OpenAiChat, &agent.body(), s.counting).total;
-    let lost = t.turn(&mut agent, n, false).await?;
-    let metrics = admin_get(client, s.trim.admin, "/metrics").await;
+    let lost = t.turn(agent, *n, false).await?;
+    let metrics = admin_get(t.client, s.trim.admin, "/metrics").await;
     let lost_total = metric(&metrics, "tidemark_anchor_lost_total", &model);
     let session: Value =
-        serde_json::from_str(&admin_get(client, s.trim.admin, "/sessions/demo-story-trim").await)
+        serde_json::from_str(&admin_get(t.client, s.trim.admin, "/sessions/demo-story-trim").await)
             .unwrap_or(Value::Null);
     let losses = session["anchor_losses"].as_u64().unwrap_or(0);
-    n += 1;
-    let back = t.turn(&mut agent, n, false).await?;
+    *n += 1;
+    let back = t.turn(agent, *n, false).await?;
     let _ = writeln!(
-        out,
+        *out,
         "loss    turn {no_usage}: the provider's response carried no usage. turn {}: src={} ({}), tidemark_anchor_lost_total {lost_total}, anchor_losses {losses} in /sessions, one WARN in the log; turn {}: src={} again.",
         lost.n,
         lost.src(),
@@ -479,15 +493,27 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
         back.n,
         back.src(),
     );
+    Ok((lost, whole))
+}
 
-    // Act 4: an early edit.
+/// Act 4: an early edit. Returns the tokens the provider read from its
+/// cache before the edit and after it.
+async fn act_bust(
+    s: &Stack,
+    t: &Route<'_>,
+    agent: &mut Agent,
+    n: &mut u32,
+    trim_lost: u64,
+    out: &mut String,
+) -> Result<(u64, u64), String> {
+    let model = [("model", OPENAI_MODEL)];
     let before = s.acct.credential(t.credential);
     let cached = before.events.last().map_or(0, |e| e.read + e.write);
     if !agent.edit_early() {
         return Err("act 4: no reply to edit".into());
     }
-    n += 1;
-    let edited = t.turn(&mut agent, n, false).await?;
+    *n += 1;
+    let edited = t.turn(agent, *n, false).await?;
     let after = s.acct.credential(t.credential);
     let ev = after
         .events
@@ -500,7 +526,7 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
             write: 0,
             invalidated: 0,
         });
-    let metrics = admin_get(client, s.trim.admin, "/metrics").await;
+    let metrics = admin_get(t.client, s.trim.admin, "/metrics").await;
     let history = metric(
         &metrics,
         "tidemark_cache_busts_total",
@@ -508,7 +534,7 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
     );
     let invalidated = metric(&metrics, "tidemark_cache_invalidated_tokens_total", &model);
     let _ = writeln!(
-        out,
+        *out,
         "bust    turn {}: the agent rewrote its first reply. The provider read {} of the {} tokens it had cached: {} invalidated (tidemark_cache_busts_total{{cause=\"history\"}} {history}; tidemark_cache_invalidated_tokens_total +{}; the provider's own accounting: {}).",
         edited.n,
         thousands(ev.read),
@@ -517,6 +543,33 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
         thousands(invalidated.saturating_sub(trim_lost)),
         thousands(after.invalidated_tokens - before.invalidated_tokens),
     );
+    Ok((before.events.last().map_or(0, |e| e.read), ev.read))
+}
+
+async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<String, String> {
+    let w = DEMO_WINDOW;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\n== the same agent, continued behind tidemark's policies (openai-chat · model {OPENAI_MODEL} · window {w})"
+    );
+
+    let (alone_turns, wall) = act_reject(s, client, estimator, &mut out).await?;
+
+    // Acts 2 to 4: one agent, behind the tidemark that trims.
+    let t = Route {
+        client,
+        addr: s.trim.proxy,
+        credential: "sk-demo-story-trim",
+        session: "demo-story-trim",
+        estimator,
+    };
+    let mut agent = Agent::new(DemoApi::OpenAiChat, SEED);
+    let mut n = 0;
+    let trim_lost = act_trim(s, &t, &mut agent, &mut n, &mut out).await?;
+    let (lost, whole) = act_loss(s, &t, &mut agent, &mut n, &mut out).await?;
+    let (read_before, read_after) =
+        act_bust(s, &t, &mut agent, &mut n, trim_lost, &mut out).await?;
 
     // What the same agent saw without tidemark.
     let _ = writeln!(out, "without tidemark:");
@@ -553,8 +606,8 @@ async fn acts(s: &Stack, client: &HttpClient, estimator: &Estimator) -> Result<S
     let _ = writeln!(
         out,
         "  bust:   nothing either: its usage (had it asked) shows cached tokens falling from {} to {}, and says nothing of why.",
-        thousands(before.events.last().map_or(0, |e| e.read)),
-        thousands(ev.read),
+        thousands(read_before),
+        thousands(read_after),
     );
     Ok(out)
 }

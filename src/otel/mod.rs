@@ -15,7 +15,6 @@
 //! Never a body, a credential or conversation text: a span names the
 //! session by a hash, and its attributes are counts and names.
 
-pub mod config;
 pub mod context;
 mod encode;
 mod export;
@@ -25,7 +24,7 @@ use std::time::{Instant, SystemTime};
 
 use http::HeaderMap;
 
-pub use config::OtlpConfig;
+pub use crate::config::otlp::OtlpConfig;
 use export::Stop;
 
 use crate::provider::{Api, Usage};

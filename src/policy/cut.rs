@@ -9,9 +9,9 @@ use crate::config::Config;
 use crate::estimate::{Estimate, Estimator};
 use crate::json::RequestView;
 use crate::metrics;
+use crate::policy::trim::{self, Cut, Trimmed};
 use crate::provider::Api;
 use crate::session::{Begun, Ruler, Store};
-use crate::trim::{self, Cut, Trimmed};
 
 /// Each trimmed session's last cut, so the next request is cut at the
 /// same place. Keyed by credential and session key ([`cut_key`]); bounded

@@ -8,6 +8,7 @@
 //!   itself is `trim.rs`.
 pub mod cut;
 pub mod decide;
+pub mod trim;
 
 pub use cut::Cuts;
 pub use decide::{decide, over, settled, Over, Refusal, Verdict};

@@ -134,7 +134,7 @@ async fn without_option(cx: &mut Ctx<'_>, answer: Answer) -> Result<Answer, Endi
         .map(|c| c.to_bytes())
         .unwrap_or_default();
     let state = cx.state;
-    if !crate::inject::mentions_stream_options(&bytes) {
+    if !crate::tap::inject::mentions_stream_options(&bytes) {
         let up = crate::window_learned::upstream_id(cx.upstream);
         let status = rparts.status.as_u16();
         let model = cx.model.as_deref();
@@ -238,8 +238,10 @@ fn usage_injection(
         return None;
     }
     let injected = match edited {
-        None => crate::inject::inject_include_usage(plain, view),
-        Some(t) => RequestView::parse(t).and_then(|v| crate::inject::inject_include_usage(t, &v)),
+        None => crate::tap::inject::inject_include_usage(plain, view),
+        Some(t) => {
+            RequestView::parse(t).and_then(|v| crate::tap::inject::inject_include_usage(t, &v))
+        }
     }?;
     // Asked last: most clients ask for usage themselves (no edit), and the
     // lookup hashes the authority on every stream.

@@ -9,11 +9,11 @@ use super::ctx::Ctx;
 use super::respond::add_policy_headers;
 use crate::metrics;
 use crate::provider::Api;
+use crate::tap::usage::UsageReader;
 use crate::tap::{Finish, ObservedBody, Watch};
 use crate::turn::phases::{learn_from_refusal, record};
 use crate::turn::{Local, Turn};
 use crate::upstream::{self, UpstreamBody};
-use crate::usage::UsageReader;
 
 /// tap: watch the response go by; record the turn once it ends.
 pub(super) fn tap(cx: Ctx<'_>, turn: Turn, resp: Response<UpstreamBody>) -> Response<ObservedBody> {
@@ -73,12 +73,12 @@ fn read_usage(cx: &Ctx<'_>, h: &mut HeaderMap, watch: &mut Watch) {
         None | Some("") => (true, None),
         Some(e) if e.eq_ignore_ascii_case("identity") => (true, None),
         Some(e) => {
-            let d = crate::usage::BodyDecoder::new(e);
+            let d = crate::tap::usage::BodyDecoder::new(e);
             (d.is_some(), d)
         }
     };
     if strip {
-        watch.stripper = Some(crate::inject::UsageStripper::new());
+        watch.stripper = Some(crate::tap::inject::UsageStripper::new());
         h.remove(CONTENT_LENGTH);
     }
     if decoder.is_some() {

@@ -42,6 +42,8 @@ mod responses;
 mod tokens;
 mod ws;
 
+pub use crate::config::Flavour;
+use crate::config::SimArgs;
 pub use crate::provider::Api as SimApi;
 pub use cache::{Accounting, CacheEvent, CacheStats};
 pub use tokens::{counting, Counting, CountingMode, SimEncoding, COUNTING};
@@ -56,33 +58,6 @@ pub const X_SIM_PROMPT_TOKENS: &str = "x-sim-prompt-tokens";
 /// Request header `x-sim-omit-usage: 1`: this one response reports no
 /// usage, as a provider's sometimes does (the demo's anchor-loss act).
 pub const X_SIM_OMIT_USAGE: &str = "x-sim-omit-usage";
-
-/// Which server the OpenAI chat path imitates: its usage details and its
-/// context-length behaviour.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Flavour {
-    #[default]
-    OpenAi,
-    Vllm,
-    LlamaCpp,
-    /// Ollama's OpenAI-compatible `/v1`: over the window it truncates.
-    Ollama,
-}
-
-impl std::str::FromStr for Flavour {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "openai" => Ok(Flavour::OpenAi),
-            "vllm" => Ok(Flavour::Vllm),
-            "llamacpp" | "llama.cpp" | "llama-server" => Ok(Flavour::LlamaCpp),
-            "ollama" => Ok(Flavour::Ollama),
-            other => Err(format!(
-                "unknown flavour {other:?} (openai, vllm, llamacpp, ollama)"
-            )),
-        }
-    }
-}
 
 /// When the simulated model calls one of the request's tools.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -129,6 +104,31 @@ pub struct SimConfig {
     pub record: Option<PathBuf>,
     /// Serve the Responses WebSocket mode; off, the handshake gets 426.
     pub websocket: bool,
+}
+
+impl SimConfig {
+    /// `tidemark sim`'s flags, checked.
+    pub fn from_args(args: &SimArgs) -> Result<SimConfig, String> {
+        Ok(SimConfig {
+            context_window: args.context_window,
+            counting: if args.today_counting {
+                CountingMode::Today
+            } else {
+                CountingMode::Honest
+            },
+            flavour: args.flavour,
+            tool_calls: match args.tools.as_str() {
+                "asked" => ToolCalls::WhenAsked,
+                "always" => ToolCalls::Always,
+                "never" => ToolCalls::Never,
+                t => return Err(format!("--tools {t}: asked, always or never")),
+            },
+            record: args.record.clone(),
+            websocket: !args.no_websocket,
+            gzip: true,
+            ..SimConfig::default()
+        })
+    }
 }
 
 impl Default for SimConfig {

@@ -23,11 +23,11 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::config::Upstream;
 use crate::metrics;
-use crate::pool::Upgrade;
 use crate::provider::{self, Api};
 use crate::tap::{Finish, ObservedBody, Watch as BodyWatch};
 use crate::turn::outgoing::build_upstream_request;
 use crate::turn::{error_response, shape_provider, Local, ProxyError};
+use crate::upstream::Upgrade;
 use crate::upstream::{self, UpstreamError};
 
 /// Bytes a direction holds for its writer before it stops reading: a slow

@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tidemark::sse::SseScanner;
+use tidemark::tap::sse::SseScanner;
 
 type Ev = (Option<String>, Vec<u8>);
 

@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use tidemark::json::RequestView;
 use tidemark::provider::ALL;
-use tidemark::trim::trim;
+use tidemark::policy::trim::trim;
 
 fuzz_target!(|input: &[u8]| {
     let Some((&sel, body)) = input.split_first() else {

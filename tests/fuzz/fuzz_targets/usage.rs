@@ -5,7 +5,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tidemark::provider::{Framing, ALL};
-use tidemark::usage::UsageReader;
+use tidemark::tap::usage::UsageReader;
 
 const ENCODINGS: [Option<&str>; 5] = [None, Some("gzip"), Some("deflate"), Some("br"), Some("zstd")];
 const FRAMINGS: [Framing; 3] = [Framing::Sse, Framing::Ndjson, Framing::Json];

@@ -34,8 +34,8 @@ use hyper::body::Incoming;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use super::{bearer_matches, constant_time_eq, percent_decode, query_param};
 use crate::proxy::State;
-use crate::server::{bearer_matches, constant_time_eq, percent_decode, query_param};
 use crate::tap::ObservedBody;
 
 const TEMPLATE: &str = include_str!("page.html");

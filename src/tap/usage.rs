@@ -6,9 +6,9 @@ use std::io::Write;
 
 use bytes::Bytes;
 
+use super::sse::{Event, SseScanner, MAX_EVENT_BYTES};
 use crate::json::Node;
 use crate::provider::{Framing, Observed, Provider};
-use crate::sse::{Event, SseScanner, MAX_EVENT_BYTES};
 
 /// Largest non-stream body copied for parsing at the end.
 pub const MAX_JSON_BYTES: usize = 8 << 20;
@@ -536,7 +536,7 @@ mod tests {
 
     #[test]
     fn a_json_body_reads_alike_held_whole_or_joined_from_pieces() {
-        let body = include_bytes!("../tests/fixtures/openai-chat/nonstream_basic.json");
+        let body = include_bytes!("../../tests/fixtures/openai-chat/nonstream_basic.json");
         let p = Api::OpenAiChat.provider();
         let read = |feed: &dyn Fn(&mut UsageReader)| {
             let mut r = UsageReader::new(p, Framing::Json, None);
@@ -572,7 +572,7 @@ mod tests {
 
     #[test]
     fn only_the_members_a_provider_reads_are_built() {
-        let body = include_bytes!("../tests/fixtures/openai-chat/nonstream_basic.json");
+        let body = include_bytes!("../../tests/fixtures/openai-chat/nonstream_basic.json");
         let node = parse_read(Api::OpenAiChat.provider(), body).unwrap();
         // No id, model, choices or completion_tokens_details: only usage
         // and the counts chat's observe reads.

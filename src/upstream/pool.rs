@@ -49,9 +49,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tower_service::Service;
 
-use crate::h1::{self, Decoded, Sent, Sink};
-use crate::tap::BoxError;
-use crate::upstream::{TimedConnector, UpBody, UpstreamError};
+use super::h1::{self, Decoded, Sent, Sink};
+use super::{BoxError, TimedConnector, UpBody, UpstreamError};
 
 /// An HTTP/1.1 connection: the (maybe TLS) socket, seen through tokio's
 /// read and write traits, and its read buffer. Boxed once when it is made:
@@ -96,7 +95,7 @@ impl Key {
     /// `Host` for a request that has none: this key's authority.
     fn host(&self, req: &mut Request<UpBody>) {
         if !req.headers().contains_key(HOST) {
-            if let Some(v) = crate::upstream::host_value(&self.1) {
+            if let Some(v) = super::host_value(&self.1) {
                 req.headers_mut().insert(HOST, v);
             }
         }

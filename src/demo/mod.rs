@@ -603,6 +603,93 @@ pub fn parse_projection(h: &str) -> Option<(u64, String, Option<u64>)> {
     Some((tokens, src, window))
 }
 
+/// One demo request: the agent's body with its session and the API's
+/// (made-up) credentials.
+fn demo_request(
+    api: DemoApi,
+    proxy: SocketAddr,
+    path: &str,
+    key: &str,
+    body: Vec<u8>,
+) -> Result<Request<Full<Bytes>>, String> {
+    let req = Request::post(format!("http://{proxy}{path}"))
+        .header("content-type", "application/json")
+        .header("x-session-id", key);
+    let req = match api {
+        DemoApi::OpenAiChat => req.header("authorization", "Bearer sk-demo-not-a-real-key"),
+        DemoApi::Anthropic => req
+            .header("x-api-key", "sk-ant-demo-not-a-real-key")
+            .header("anthropic-version", "2023-06-01")
+            .header("accept-encoding", "gzip"),
+    };
+    req.body(Full::new(Bytes::from(body)))
+        .map_err(|e| format!("could not build the request: {e}"))
+}
+
+/// Send and read the whole response (gunzipped), each step bounded.
+async fn exchange(
+    client: &HttpClient,
+    req: Result<Request<Full<Bytes>>, String>,
+) -> Result<(http::response::Parts, String), String> {
+    let resp = match tokio::time::timeout(Duration::from_secs(60), client.request(req?)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return Err(format!("request failed: {e}")),
+        Err(_) => return Err("request timed out".to_string()),
+    };
+    let (parts, incoming) = resp.into_parts();
+    let gzip = header(&parts.headers, "content-encoding").is_some_and(|e| e.contains("gzip"));
+    let bytes = match tokio::time::timeout(Duration::from_secs(60), incoming.collect()).await {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => Bytes::new(),
+    };
+    let text = if gzip {
+        let mut s = String::new();
+        let _ = flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut s);
+        s
+    } else {
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    Ok((parts, text))
+}
+
+fn header(h: &http::HeaderMap, n: &str) -> Option<String> {
+    h.get(n).and_then(|v| v.to_str().ok()).map(str::to_string)
+}
+
+/// The table's decision column: what tidemark did, else where the
+/// projection stands against the warn and limit lines.
+fn decision(
+    h: &http::HeaderMap,
+    util: Option<f64>,
+    (warn_at, limit_at): (f64, f64),
+) -> &'static str {
+    if header(h, "x-tidemark-error").as_deref() == Some("context-budget") {
+        "reject"
+    } else if header(h, "x-context-trimmed").is_some() {
+        "trim"
+    } else if util.is_some_and(|u| u > limit_at) {
+        "over"
+    } else if header(h, "x-context-warning").is_some() || util.is_some_and(|u| u >= warn_at) {
+        "warn"
+    } else {
+        "pass"
+    }
+}
+
+/// Why a session ended on a non-200.
+fn refused(status: StatusCode, tidemark_error: Option<String>, turn: u32, window: u64) -> String {
+    if let Some(kind) = tidemark_error {
+        format!(
+            "tidemark answered {} ({kind}) at turn {turn}",
+            status.as_u16()
+        )
+    } else if status == StatusCode::BAD_REQUEST {
+        format!("the provider rejected turn {turn}: the prompt no longer fits the {window}-token window")
+    } else {
+        format!("the provider answered {} at turn {turn}", status.as_u16())
+    }
+}
+
 /// Drive one session through the proxy.
 #[allow(clippy::too_many_arguments)]
 async fn run_session(
@@ -646,72 +733,23 @@ async fn run_session(
         let est = RequestView::parse(&body)
             .map(|v| estimator.estimate(tapi.provider(), &v, Some(agent.model)))
             .unwrap_or_default();
-        let mut req = Request::post(format!("http://{proxy}{path}"))
-            .header("content-type", "application/json")
-            .header("x-session-id", &key);
-        req = match api {
-            DemoApi::OpenAiChat => req.header("authorization", "Bearer sk-demo-not-a-real-key"),
-            DemoApi::Anthropic => req
-                .header("x-api-key", "sk-ant-demo-not-a-real-key")
-                .header("anthropic-version", "2023-06-01")
-                .header("accept-encoding", "gzip"),
-        };
-        let req = match req.body(Full::new(Bytes::from(body))) {
+        let (parts, text) = match exchange(client, demo_request(api, proxy, path, &key, body)).await
+        {
             Ok(r) => r,
             Err(e) => {
-                run.ended = Some(format!("could not build the request: {e}"));
+                run.ended = Some(e);
                 break;
             }
         };
-        let resp = match tokio::time::timeout(Duration::from_secs(60), client.request(req)).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                run.ended = Some(format!("request failed: {e}"));
-                break;
-            }
-            Err(_) => {
-                run.ended = Some("request timed out".to_string());
-                break;
-            }
-        };
-        let (parts, incoming) = resp.into_parts();
-        let hdr = |n: &str| {
-            parts
-                .headers
-                .get(n)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string)
-        };
+        let hdr = |n: &str| header(&parts.headers, n);
         let real = hdr(X_SIM_PROMPT_TOKENS).and_then(|v| v.parse::<u64>().ok());
         let proj = hdr("x-context-projection").and_then(|h| parse_projection(&h));
         if let Some(w) = proj.as_ref().and_then(|p| p.2) {
             run.window = w;
         }
-        let gzip = hdr("content-encoding").is_some_and(|e| e.contains("gzip"));
-        let bytes = match tokio::time::timeout(Duration::from_secs(60), incoming.collect()).await {
-            Ok(Ok(c)) => c.to_bytes(),
-            _ => Bytes::new(),
-        };
-        let text = if gzip {
-            let mut s = String::new();
-            let _ = flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut s);
-            s
-        } else {
-            String::from_utf8_lossy(&bytes).into_owned()
-        };
         let tidemark_error = hdr("x-tidemark-error");
         let util = proj.as_ref().map(|p| p.0 as f64 / run.window.max(1) as f64);
-        let decision = if tidemark_error.as_deref() == Some("context-budget") {
-            "reject"
-        } else if hdr("x-context-trimmed").is_some() {
-            "trim"
-        } else if util.is_some_and(|u| u > limit_at) {
-            "over"
-        } else if hdr("x-context-warning").is_some() || util.is_some_and(|u| u >= warn_at) {
-            "warn"
-        } else {
-            "pass"
-        };
+        let decision = decision(&parts.headers, util, (warn_at, limit_at));
         run.rows.push(Row {
             turn,
             status: parts.status.as_u16(),
@@ -724,22 +762,7 @@ async fn run_session(
         });
         progress.inc(1);
         if parts.status != StatusCode::OK {
-            run.ended = Some(if let Some(kind) = tidemark_error {
-                format!(
-                    "tidemark answered {} ({kind}) at turn {turn}",
-                    parts.status.as_u16()
-                )
-            } else if parts.status == StatusCode::BAD_REQUEST {
-                format!(
-                    "the provider rejected turn {turn}: the prompt no longer fits the {}-token window",
-                    run.window
-                )
-            } else {
-                format!(
-                    "the provider answered {} at turn {turn}",
-                    parts.status.as_u16()
-                )
-            });
+            run.ended = Some(refused(parts.status, tidemark_error, turn, run.window));
             break;
         }
         match parse_stream(api, &text) {
@@ -933,67 +956,49 @@ async fn wait_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// `tidemark demo`: start the simulated provider and the proxy, run the
-/// scripted sessions, print the tables and the story; with `keep_running`,
-/// stay up with light traffic until Ctrl-C.
-pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), String> {
-    if turns == 0 {
-        return Err("--turns must be at least 1".to_string());
-    }
-    let sim_cfg = SimConfig {
+/// The simulated provider the tables run against: paced like a real one
+/// when it stays up for a person to watch, at full speed otherwise.
+fn demo_sim(keep_running: bool) -> SimConfig {
+    let pace = |d| if keep_running { d } else { Duration::ZERO };
+    SimConfig {
         context_window: Some(DEMO_WINDOW),
         gzip: true,
-        first_byte_delay: if keep_running {
-            Duration::from_millis(40)
-        } else {
-            Duration::ZERO
-        },
-        chunk_delay: if keep_running {
-            Duration::from_millis(4)
-        } else {
-            Duration::ZERO
-        },
+        first_byte_delay: pace(Duration::from_millis(40)),
+        chunk_delay: pace(Duration::from_millis(4)),
         ..SimConfig::default()
-    };
-    let story_flags = flags.clone();
-    let story_sim = SimConfig {
-        context_window: Some(DEMO_WINDOW),
-        ..SimConfig::default()
-    };
-    let stack = start(flags, sim_cfg).await?;
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
-    let estimator = Estimator::new(64 << 20);
-    let dump = std::env::var_os("TIDEMARK_DEMO_DUMP").map(std::path::PathBuf::from);
-    if let Some(d) = &dump {
-        std::fs::create_dir_all(d).map_err(|e| format!("TIDEMARK_DEMO_DUMP: {e}"))?;
     }
-    let tty_out = std::io::stdout().is_terminal();
-    let paint = Paint(tty_out);
-    let progress = if std::io::stderr().is_terminal() {
-        let pb = indicatif::ProgressBar::new(u64::from(turns) * 2);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
-        ) {
-            pb.set_style(style);
-        }
-        pb
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    // A wildcard listen address (0.0.0.0 in a container) is not a URL to
-    // copy: show loopback, which is also what a published port maps to.
-    let shown = |a: std::net::SocketAddr| {
-        let mut a = a;
-        if a.ip().is_unspecified() {
-            a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-        }
-        a
-    };
-    let admin_shown = shown(stack.admin);
+}
+
+/// A bar on a terminal's stderr, nothing when it is piped.
+fn progress_bar(turns: u32) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(u64::from(turns) * 2);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
+    ) {
+        pb.set_style(style);
+    }
+    pb
+}
+
+/// A wildcard listen address (0.0.0.0 in a container) is not a URL to
+/// copy: show loopback, which is also what a published port maps to.
+fn shown(mut a: SocketAddr) -> SocketAddr {
+    if a.ip().is_unspecified() {
+        a.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    a
+}
+
+/// What runs where, printed before the scripted sessions.
+fn print_banner(stack: &Stack, keep_running: bool) {
     if keep_running {
         // First, so the page can be open while the scripted sessions run.
         println!(
-            "tidemark demo: live sessions page at http://{admin_shown}/{}",
+            "tidemark demo: live sessions page at http://{}/{}",
+            shown(stack.admin),
             if stack.admin_token {
                 " (it asks for the --admin-token)"
             } else {
@@ -1005,6 +1010,84 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
         "tidemark demo: simulated provider (OpenAI counted in cl100k_base, Anthropic in p50k_base, + hidden framing) behind the real proxy at http://{}",
         stack.proxy
     );
+}
+
+/// Where to point an agent, a browser and curl while the demo stays up.
+fn print_live_help(stack: &Stack) {
+    let base = format!("http://{}", shown(stack.proxy));
+    let admin_shown = shown(stack.admin);
+    println!("\ntidemark is up in front of the simulated provider (Ctrl-C to stop):");
+    println!("  sessions page:       http://{admin_shown}/");
+    println!("  OpenAI base URL:     {base}/v1");
+    println!("  Anthropic base URL:  {base}");
+    println!("  metrics:             http://{admin_shown}/metrics");
+    println!("  sessions:            http://{admin_shown}/sessions");
+    if stack.proxy.ip().is_unspecified() {
+        println!("  (listening on all interfaces: from another host or a container's host, use its address and the published port)");
+    }
+    println!("\n  curl -sN {base}/v1/chat/completions -H 'authorization: Bearer sk-demo' -H 'content-type: application/json' -H 'x-session-id: try-1' -d '{{\"model\":\"gpt-4o\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello 👋\"}}]}}' -D - -o /dev/null");
+    println!("  curl -sN {base}/v1/messages -H 'x-api-key: sk-ant-demo' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":256,\"messages\":[{{\"role\":\"user\",\"content\":\"こんにちは\"}}]}}' -D -");
+    println!("  curl -s http://{admin_shown}/metrics | grep tidemark_projection");
+}
+
+/// Light traffic for the live page: new sessions on both APIs, paced,
+/// until the task is aborted.
+fn keep_traffic(
+    client: HttpClient,
+    estimator: Estimator,
+    proxy: SocketAddr,
+    turns: u32,
+    gates: (f64, f64),
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let hidden = indicatif::ProgressBar::hidden();
+        for round in 2u64.. {
+            for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
+                .into_iter()
+                .enumerate()
+            {
+                let key = format!("demo-{}-{round}", api_name(api));
+                let _ = run_session(
+                    &client,
+                    proxy,
+                    &estimator,
+                    api,
+                    key,
+                    turns.max(30),
+                    0x7AD3 + round * 2 + i as u64,
+                    gates,
+                    &hidden,
+                    None,
+                    Duration::from_millis(400),
+                )
+                .await;
+            }
+        }
+    })
+}
+
+/// `tidemark demo`: start the simulated provider and the proxy, run the
+/// scripted sessions, print the tables and the story; with `keep_running`,
+/// stay up with light traffic until Ctrl-C.
+pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), String> {
+    if turns == 0 {
+        return Err("--turns must be at least 1".to_string());
+    }
+    let story_flags = flags.clone();
+    let story_sim = SimConfig {
+        context_window: Some(DEMO_WINDOW),
+        ..SimConfig::default()
+    };
+    let stack = start(flags, demo_sim(keep_running)).await?;
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let estimator = Estimator::new(64 << 20);
+    let dump = std::env::var_os("TIDEMARK_DEMO_DUMP").map(std::path::PathBuf::from);
+    if let Some(d) = &dump {
+        std::fs::create_dir_all(d).map_err(|e| format!("TIDEMARK_DEMO_DUMP: {e}"))?;
+    }
+    let paint = Paint(std::io::stdout().is_terminal());
+    let progress = progress_bar(turns);
+    print_banner(&stack, keep_running);
     let gates = (stack.warn_at, stack.limit_at);
     let mut runs = Vec::new();
     for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
@@ -1043,47 +1126,8 @@ pub async fn main(flags: Flags, turns: u32, keep_running: bool) -> Result<(), St
     }
 
     if keep_running {
-        let base = format!("http://{}", shown(stack.proxy));
-        println!("\ntidemark is up in front of the simulated provider (Ctrl-C to stop):");
-        println!("  sessions page:       http://{admin_shown}/");
-        println!("  OpenAI base URL:     {base}/v1");
-        println!("  Anthropic base URL:  {base}");
-        println!("  metrics:             http://{admin_shown}/metrics");
-        println!("  sessions:            http://{admin_shown}/sessions");
-        if stack.proxy.ip().is_unspecified() {
-            println!("  (listening on all interfaces: from another host or a container's host, use its address and the published port)");
-        }
-        println!("\n  curl -sN {base}/v1/chat/completions -H 'authorization: Bearer sk-demo' -H 'content-type: application/json' -H 'x-session-id: try-1' -d '{{\"model\":\"gpt-4o\",\"stream\":true,\"messages\":[{{\"role\":\"user\",\"content\":\"hello 👋\"}}]}}' -D - -o /dev/null");
-        println!("  curl -sN {base}/v1/messages -H 'x-api-key: sk-ant-demo' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":256,\"messages\":[{{\"role\":\"user\",\"content\":\"こんにちは\"}}]}}' -D -");
-        println!("  curl -s http://{admin_shown}/metrics | grep tidemark_projection");
-        let traffic = {
-            let proxy = stack.proxy;
-            tokio::spawn(async move {
-                let hidden = indicatif::ProgressBar::hidden();
-                for round in 2u64.. {
-                    for (i, api) in [DemoApi::OpenAiChat, DemoApi::Anthropic]
-                        .into_iter()
-                        .enumerate()
-                    {
-                        let key = format!("demo-{}-{round}", api_name(api));
-                        let _ = run_session(
-                            &client,
-                            proxy,
-                            &estimator,
-                            api,
-                            key,
-                            turns.max(30),
-                            0x7AD3 + round * 2 + i as u64,
-                            gates,
-                            &hidden,
-                            None,
-                            Duration::from_millis(400),
-                        )
-                        .await;
-                    }
-                }
-            })
-        };
+        print_live_help(&stack);
+        let traffic = keep_traffic(client, estimator, stack.proxy, turns, gates);
         wait_signal().await;
         traffic.abort();
         let _ = traffic.await;

@@ -2,6 +2,10 @@
 //! lets the usage reader watch the bytes go by, and fires one callback when
 //! the body ends, fails or is dropped.
 
+pub mod inject;
+pub mod sse;
+pub mod usage;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -14,11 +18,11 @@ use pin_project_lite::pin_project;
 use prometheus::Histogram;
 use tokio::time::Sleep;
 
-use crate::inject::UsageStripper;
+pub use crate::upstream::BoxError;
 use crate::upstream::UpstreamError;
-use crate::usage::{BodyDecoder, BrokenBody, ReadOutcome, UsageReader};
+use inject::UsageStripper;
+use usage::{BodyDecoder, BrokenBody, ReadOutcome, UsageReader};
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type InnerBody = UnsyncBoxBody<Bytes, BoxError>;
 
 /// How a response body ended.

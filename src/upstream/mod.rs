@@ -1,6 +1,9 @@
 //! The one pooled upstream client (rustls, HTTP/2 by ALPN), hop-by-hop header
 //! handling, and the classification of upstream failures.
 
+mod h1;
+mod pool;
+
 use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
@@ -18,10 +21,13 @@ use tokio::net::TcpStream;
 
 use crate::config::Config;
 
+/// The error of a response body, upstream's or the tap's around it.
+pub type BoxError = Box<dyn StdError + Send + Sync>;
+
 /// Request bodies sent upstream: the inspected bytes, or the client's stream.
 pub type UpBody = UnsyncBoxBody<Bytes, hyper::Error>;
 
-pub use crate::pool::{Client, UpstreamBody};
+pub use pool::{set_worker, Client, Upgrade, UpstreamBody};
 
 /// Why an upstream exchange failed; each maps to a status and an
 /// `x-tidemark-error` kind in `proxy.rs`.
@@ -110,14 +116,12 @@ pub struct TimedConnector {
     timeout: Duration,
 }
 
-type BoxErr = Box<dyn StdError + Send + Sync>;
-
 impl tower_service::Service<http::Uri> for TimedConnector {
     type Response = MaybeHttpsStream<TokioIo<TcpStream>>;
-    type Error = BoxErr;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxErr>> + Send>>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxErr>> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx)
     }
 
@@ -130,7 +134,7 @@ impl tower_service::Service<http::Uri> for TimedConnector {
                 Err(_) => Err(Box::new(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "upstream connect timed out",
-                )) as BoxErr),
+                )) as BoxError),
             }
         })
     }

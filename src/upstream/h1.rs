@@ -27,7 +27,7 @@ use http_body::Body;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_util::io::poll_read_buf;
 
-use crate::upstream::UpBody;
+use super::UpBody;
 
 /// Largest response head (status line and headers) accepted.
 const MAX_HEAD: usize = 256 * 1024;

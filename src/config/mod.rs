@@ -1,6 +1,8 @@
 //! Flags (clap, each also read from `TIDEMARK_<FLAG>`) parsed into a raw
 //! struct, then validated into the [`Config`] the rest of the code reads.
 
+pub mod otlp;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -37,15 +39,15 @@ pub enum Command {
     Sim(SimArgs),
 }
 
-/// `tidemark sim`'s flags: the knobs of [`crate::sim::SimConfig`] a real
-/// agent's run needs.
+/// `tidemark sim`'s flags: the knobs of the simulator's `SimConfig` a real
+/// agent's run needs (`SimConfig::from_args`).
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
     #[arg(long, default_value = "127.0.0.1:8788")]
     pub listen: SocketAddr,
     /// The server the OpenAI chat path imitates: openai, vllm, llamacpp, ollama.
     #[arg(long, default_value = "openai")]
-    pub flavour: crate::sim::Flavour,
+    pub flavour: Flavour,
     /// Write every request (credentials redacted) to this folder.
     #[arg(long)]
     pub record: Option<PathBuf>,
@@ -69,28 +71,30 @@ pub struct SimArgs {
     pub no_websocket: bool,
 }
 
-impl SimArgs {
-    pub fn sim_config(&self) -> Result<crate::sim::SimConfig, String> {
-        use crate::sim::{CountingMode, SimConfig, ToolCalls};
-        Ok(SimConfig {
-            context_window: self.context_window,
-            counting: if self.today_counting {
-                CountingMode::Today
-            } else {
-                CountingMode::Honest
-            },
-            flavour: self.flavour,
-            tool_calls: match self.tools.as_str() {
-                "asked" => ToolCalls::WhenAsked,
-                "always" => ToolCalls::Always,
-                "never" => ToolCalls::Never,
-                t => return Err(format!("--tools {t}: asked, always or never")),
-            },
-            record: self.record.clone(),
-            websocket: !self.no_websocket,
-            gzip: true,
-            ..SimConfig::default()
-        })
+/// Which server the simulator's OpenAI chat path imitates (`tidemark sim
+/// --flavour`): its usage details and its context-length behaviour.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Flavour {
+    #[default]
+    OpenAi,
+    Vllm,
+    LlamaCpp,
+    /// Ollama's OpenAI-compatible `/v1`: over the window it truncates.
+    Ollama,
+}
+
+impl std::str::FromStr for Flavour {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "openai" => Ok(Flavour::OpenAi),
+            "vllm" => Ok(Flavour::Vllm),
+            "llamacpp" | "llama.cpp" | "llama-server" => Ok(Flavour::LlamaCpp),
+            "ollama" => Ok(Flavour::Ollama),
+            other => Err(format!(
+                "unknown flavour {other:?} (openai, vllm, llamacpp, ollama)"
+            )),
+        }
     }
 }
 
@@ -375,7 +379,7 @@ pub struct Config {
     pub log_format: LogFormat,
     /// OTLP export, when an endpoint is configured (`--otlp-endpoint` or
     /// the `OTEL_*` variables).
-    pub otlp: Option<crate::otel::OtlpConfig>,
+    pub otlp: Option<otlp::OtlpConfig>,
 }
 
 /// The routes every install starts with; `--route` adds to them, and a route
@@ -485,10 +489,7 @@ impl Flags {
                 self.state
             ));
         }
-        let otlp = crate::otel::OtlpConfig::resolve(
-            self.otlp_endpoint.as_deref(),
-            &crate::otel::config::process_env,
-        )?;
+        let otlp = otlp::OtlpConfig::resolve(self.otlp_endpoint.as_deref(), &otlp::process_env)?;
         Ok(Config {
             otlp,
             listen: self.listen,

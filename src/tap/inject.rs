@@ -5,9 +5,9 @@
 use bytes::BytesMut;
 use memchr::memmem;
 
+use super::sse::MAX_EVENT_BYTES;
 use crate::json::RequestView;
 use crate::provider::{CHOICES, USAGE};
-use crate::sse::MAX_EVENT_BYTES;
 
 /// The request body with `stream_options.include_usage: true` set by a
 /// minimal edit (every other byte unchanged): added when absent, its value
