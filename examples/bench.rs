@@ -855,7 +855,7 @@ fn main() {
     // to first byte is what a connection pays for its neighbours' estimates
     // from scratch (a worker thread serves many connections; a cold history
     // is estimated on the blocking pool). This history tokenizes from
-    // scratch in about 40 ms on the README's machine.
+    // scratch in tens of milliseconds.
     let beside = "slow streams beside cold 2 MB";
     if beside.contains(scenario.as_str()) {
         let huge = Bytes::from(history_body(2 << 20));

@@ -235,7 +235,7 @@ fn chat(turns: usize, stream: bool) -> Value {
 }
 
 /// The first 16 hex of the SHA-256 of `credential:key`, the credential its
-/// own 8-hex SHA-256 prefix (README, OpenTelemetry).
+/// own 8-hex SHA-256 prefix (docs/design.md, OpenTelemetry).
 fn conversation_id(key: &str) -> String {
     let cred: String = Sha256::digest(BEARER.as_bytes())[..4]
         .iter()

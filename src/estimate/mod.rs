@@ -144,9 +144,8 @@ impl Estimator {
                 let mut part = Sum::default();
                 // The first elements one by one; the rest of a long history
                 // is looked up in one batch, a lock per cache shard instead
-                // of per element (a lock each was half of a warm 400 KB
-                // estimate's own time, its cache line pulled between the
-                // workers).
+                // of per element, so the workers do not pass one lock's
+                // cache line between them for every message.
                 let (first, rest) = els.split_at(els.len().min(ONE_BY_ONE));
                 for el in first {
                     part.add(self.unit(api, enc, model, images, unit, el.get(), budget)?);

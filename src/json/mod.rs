@@ -129,8 +129,7 @@ fn string_rest(b: &[u8], mut j: usize) -> Option<usize> {
 /// them); a prefix XOR of the quotes marks what is inside strings; the
 /// brackets outside them are read one by one. The bench's pretty-printed
 /// completion steps over its `choices` and `completion_tokens_details`
-/// this way at a few instructions a byte, where stopping at every quote
-/// cost about twice that. A string running past a block's end is finished
+/// this way a block at a time, rather than stopping at every quote. A string running past a block's end is finished
 /// by [`string_end`]'s search (memchr over a long one), and the blocks
 /// start again after it.
 fn container_end(b: &[u8], i: usize, depth: usize) -> Option<usize> {

@@ -20,11 +20,9 @@ pub(super) fn zeros(v: u64) -> u64 {
 
 /// The scanners' blocks: 16 bytes in an SSE2 register on x86_64 (every
 /// x86_64 has SSE2; `safe_arch` wraps the intrinsics safely), a bit per
-/// byte and no false marks. On the bench's 815-byte pretty-printed
-/// completion a pick takes 7,400 instructions against 8,700 with the
-/// eight-byte words kept for other targets (callgrind,
-/// `examples/pick_instructions.rs`), a small API request 61,200 against
-/// 62,300 (`scripts/instructions.sh`).
+/// byte and no false marks: twice the eight-byte words kept for other
+/// targets at no risk, and indentation and long strings are most of a
+/// pretty-printed completion.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod sse2 {
     use safe_arch::*;
@@ -249,10 +247,8 @@ impl Block for Swar {
 
 /// 32 bytes as two SSE2 registers (every x86_64 has SSE2; `safe_arch` wraps
 /// the intrinsics safely): a bit per byte, no false marks. A history's
-/// prose, CJK and base64 run hundreds of bytes between escapes. On the
-/// 410 KB history of `examples/estimate_bench`, `RequestView::parse` took
-/// 54-71 µs with this against 92-105 µs with [`Swar`] (alternating runs);
-/// 64-byte blocks measured the same as 32.
+/// prose, CJK and base64 run hundreds of bytes between escapes, so wider
+/// blocks than [`Swar`]'s pay; 64-byte blocks gained nothing over 32.
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Sse2;
 

@@ -567,8 +567,8 @@ pub fn with_base_name<R>(model: &str, f: impl FnOnce(&str) -> R) -> R {
 
 /// `models/gemini-2.5-pro` -> `gemini-2.5-pro`; `openai/gpt-4o` -> `gpt-4o`.
 fn strip_prefix(model: &str) -> &str {
-    // memchr's search, not str::rfind's (about 140 instructions a call on a
-    // short name, three calls a request).
+    // memchr's byte search: str::rfind goes through the general pattern
+    // code even for one byte, and this runs several times a request.
     match memchr::memrchr(b'/', model.as_bytes()) {
         Some(i) => &model[i + 1..],
         None => model,

@@ -141,8 +141,8 @@ pub fn asking<'a>(headers: &'a HeaderMap, session_headers: &[HeaderName]) -> Ask
 }
 
 /// The SHA-256 prefix of a credential, made once per credential on each
-/// worker thread: an agent sends the same key on every request, and its
-/// hash cost 100-200 ns with the CPU's SHA instructions. The cache holds
+/// worker thread: an agent sends the same key on every request, so its
+/// SHA-256 is made once per thread, not once per request. The cache holds
 /// no credential, only an xxh3-128 of it under a per-process random seed
 /// (so no two credentials can be made to meet without knowing both), and
 /// at most 256 of them.
@@ -371,9 +371,9 @@ pub(crate) fn is_user_message(raw: &str) -> bool {
 
 /// Whether a message whose first member is `"role"` is the user's: most
 /// open that way, and the role decides it without parsing the rest (the
-/// message's whole content). Read byte by byte (JSON's whitespace is
-/// ASCII; str's trims and searches cost about 250 instructions a message
-/// here). `None`: another first member, or a role with an escape, which
+/// message's whole content). Read byte by byte: JSON's whitespace is
+/// ASCII, so str's Unicode-aware trims are not needed, and this runs on
+/// every message. `None`: another first member, or a role with an escape, which
 /// only a parse reads right.
 fn leading_role_is_user(b: &[u8]) -> Option<bool> {
     let mut i = 0;

@@ -36,8 +36,9 @@ struct Links {
     order: VecDeque<Box<str>>,
 }
 
-/// The maps' hasher: seeded per process, as std's SipHash is, and about a
-/// fifth of its instructions on a 19-byte key (three lookups a request).
+/// The maps' hasher: seeded per process, as std's SipHash is, so clients
+/// cannot aim collisions, and much cheaper on the short keys looked up
+/// several times a request.
 type Hasher = foldhash::fast::RandomState;
 
 /// The session a request belongs to: its key, how it was named, and the

@@ -291,10 +291,7 @@ fn event_name(name: &[u8]) -> Option<&str> {
 /// Where the last blank line (`\n\n`) in `c` starts. memchr's reverse
 /// substring search has no SIMD path; its reverse byte search does, and an
 /// event stream's newlines are few (one or two an event), so this steps
-/// newline to newline from the end. On the bench's 20-chunk stream
-/// `memmem::FinderRev` took about 700 instructions a stream (callgrind);
-/// `scripts/instructions.sh tidemark stream` read 70,700 and 71,500 a
-/// stream with it, 70,300 and 69,800 with this (two runs each).
+/// newline to newline from the end.
 fn last_blank_line(c: &[u8]) -> Option<usize> {
     let mut end = c.len();
     while let Some(i) = memrchr(b'\n', &c[..end]) {

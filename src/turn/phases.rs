@@ -71,8 +71,9 @@ pub enum Estimating<'a> {
     Elsewhere(Pin<Box<dyn Future<Output = Option<Estimate>> + Send + 'a>>),
 }
 
-/// Uncached bytes a request may have tokenized on a worker thread (0.2 to
-/// 0.3 ms on the README's machine); more goes to the blocking pool.
+/// Uncached bytes a request may have tokenized on a worker thread: a
+/// fraction of a millisecond, which the worker's other connections can
+/// afford to wait; more goes to the blocking pool.
 const INLINE_ESTIMATE_BYTES: usize = 16 * 1024;
 
 /// estimate: the request's tokens, on this worker when little of it is new

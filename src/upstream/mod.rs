@@ -204,10 +204,9 @@ pub fn client(config: &Config) -> Result<Client, String> {
 }
 
 /// Whether `name` is hop-by-hop (RFC 9110 §7.6.1 and the classic RFC 2616
-/// list): one match on the name's text (its length, then its bytes), where
-/// comparing it with each of the names in turn cost about 800
-/// instructions for a response's few headers (callgrind, the bench's
-/// small row).
+/// list): one match on the name's text (its length, then its bytes), so a
+/// header that is not hop-by-hop is told so in a comparison or two, not
+/// one per listed name.
 ///
 /// `Proxy-Authorization` and `Proxy-Authenticate` are not on it: they are
 /// meant for the proxy that consumes them, and tidemark authenticates no
