@@ -12,9 +12,6 @@
 //! classes can only start from a prior, is held to the median and to 3%
 //! on every turn that brings no new class.
 
-#[path = "mixed_support/mod.rs"]
-mod mixed;
-
 use mixed::{err, stats, Row};
 use tidemark::estimate::Estimator;
 use tidemark::sim::{self, SimConfig};
@@ -22,6 +19,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 mod support;
+use support::mixed;
 
 const TURNS: usize = 36;
 

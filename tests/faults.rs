@@ -3,8 +3,8 @@
 //! conflicting headers, HTTP/2 resets and graceful shutdown. The real proxy
 //! and real upstreams on 127.0.0.1:0; every wait is bounded, none is a sleep.
 
-mod faulty;
 mod support;
+use support::faults;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use faulty::{metric, FBody};
+use faults::{metric, FBody};
 use support::{client_h1, client_h2c, full, get, post_json, send, within, TestClient};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -354,16 +354,16 @@ fn memchr_find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_anchor_loss() {
     let (prefix, whole) = chat_stream_prefix();
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler({
+    let up = faults::start(faults::handler({
         let whole = whole.clone();
         move |req| {
             let body: FBody = if req.headers().contains_key("x-test-reset") {
                 // The test feeds this stream, then makes the upstream die.
-                let (tx, body) = faulty::channel();
+                let (tx, body) = faults::channel();
                 let _ = senders_tx.send(tx);
                 body
             } else {
-                faulty::full(whole.clone())
+                faults::full(whole.clone())
             };
             Response::builder()
                 .header("content-type", "text/event-stream")
@@ -422,7 +422,7 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
                 got.extend_from_slice(&f.into_data().unwrap());
             }
         }
-        let _ = tx.send(Err(Box::new(faulty::Injected))).await;
+        let _ = tx.send(Err(Box::new(faults::Injected))).await;
         let (rest, errored) = drain(body).await;
         got.extend_from_slice(&rest);
         assert_eq!(
@@ -454,8 +454,8 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client() {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |_req| {
-        let (tx, body) = faulty::channel();
+    let up = faults::start(faults::handler(move |_req| {
+        let (tx, body) = faults::channel();
         let _ = senders_tx.send(tx);
         Response::builder()
             .header("content-type", "text/event-stream")
@@ -477,7 +477,7 @@ async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client(
             let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
             // The chunk and the failure back to back, as a dying upstream sends them.
             tx.send(Ok(last.clone())).await.unwrap();
-            tx.send(Err(Box::new(faulty::Injected))).await.unwrap();
+            tx.send(Err(Box::new(faults::Injected))).await.unwrap();
             let (got, errored) = drain(resp.into_body()).await;
             assert_eq!(
                 got, last,
@@ -498,12 +498,12 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
             let _ = self.0.send(());
         }
     }
-    let up = faulty::start(faulty::async_handler(move |_req| {
+    let up = faults::start(faults::async_handler(move |_req| {
         let guard = OnDrop(dropped_tx.clone());
         async move {
             let _guard = guard;
             std::future::pending::<()>().await;
-            Response::new(faulty::full(""))
+            Response::new(faults::full(""))
         }
     }))
     .await;
@@ -557,10 +557,10 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
 async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
     let (prefix, _) = chat_stream_prefix();
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler({
+    let up = faults::start(faults::handler({
         let prefix = prefix.clone();
         move |_req| {
-            let (tx, body) = faulty::channel();
+            let (tx, body) = faults::channel();
             let prefix = prefix.clone();
             let senders_tx = senders_tx.clone();
             tokio::spawn(async move {
@@ -621,10 +621,10 @@ async fn a_stream_that_keeps_coming_outlasts_the_idle_timeout() {
     };
     assert!(events.len() >= 4, "the fixture has events to space out");
     let gap = Duration::from_millis(150);
-    let up = faulty::start(faulty::handler({
+    let up = faults::start(faults::handler({
         let events = events.clone();
         move |_req| {
-            let (tx, body) = faulty::channel();
+            let (tx, body) = faults::channel();
             let events = events.clone();
             tokio::spawn(async move {
                 for e in events {
@@ -716,11 +716,11 @@ async fn connect_refused_is_a_502_in_each_apis_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnects_at_every_phase_cancel_upstream_and_leave_the_proxy_healthy() {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |req| {
+    let up = faults::start(faults::handler(move |req| {
         if req.method() == http::Method::GET {
-            return Response::new(faulty::full("{}"));
+            return Response::new(faults::full("{}"));
         }
-        let (tx, body) = faulty::channel();
+        let (tx, body) = faults::channel();
         let senders_tx = senders_tx.clone();
         tokio::spawn(async move {
             let _ = tx
@@ -1032,20 +1032,20 @@ struct HeldStream {
     addr: SocketAddr,
     stop: oneshot::Sender<()>,
     run: tokio::task::JoinHandle<Result<(), tidemark::server::StartError>>,
-    tx: mpsc::Sender<Result<Bytes, faulty::BoxError>>,
+    tx: mpsc::Sender<Result<Bytes, faults::BoxError>>,
     body: hyper::body::Incoming,
-    _up: faulty::Faulty,
+    _up: faults::Faulty,
 }
 
 const FIRST: &[u8] = b"data: {\"n\":1}\n\n";
 
 async fn proxy_holding_a_stream(flags: &[&str]) -> HeldStream {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |req| {
+    let up = faults::start(faults::handler(move |req| {
         if req.uri().path().ends_with("/idle") {
-            return Response::new(faulty::full("ok"));
+            return Response::new(faults::full("ok"));
         }
-        let (tx, body) = faulty::channel();
+        let (tx, body) = faults::channel();
         let _ = senders_tx.send(tx);
         Response::builder()
             .header("content-type", "text/event-stream")

@@ -3,11 +3,11 @@
 //! API, shorter, with head, newest message and order kept; broken input never
 //! panics. `PROPTEST_CASES` sets the number of cases (default 256).
 
-mod trim_support;
+mod support;
 
 use proptest::prelude::*;
+use support::trim::*;
 use tidemark::trim::{trim, trim_sticky, Cut};
-use trim_support::*;
 
 /// One user turn: question length, tool steps (output lengths per call),
 /// and the answer's length if it has one.

@@ -2,8 +2,8 @@
 //! traffic, the model label is capped, and a real Prometheus scraping a live
 //! tidemark answers every query of the Grafana dashboard.
 
-mod faulty;
 mod support;
+use support::faults;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -553,14 +553,14 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
         (f.slice(..200), f)
     };
     let held = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let up = faulty::start(faulty::handler({
+    let up = faults::start(faults::handler({
         let held = Arc::clone(&held);
         move |req| {
             let body = if req.headers().contains_key("x-test-reset") {
-                faulty::then_reset_flushed(vec![prefix.clone()])
+                faults::then_reset_flushed(vec![prefix.clone()])
             } else {
                 // A prefix, then silence (the sender is kept, not dropped).
-                let (tx, body) = faulty::channel();
+                let (tx, body) = faults::channel();
                 let _ = tx.try_send(Ok(prefix.clone()));
                 held.lock().unwrap().push(tx);
                 body
@@ -711,7 +711,7 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
 
     let (_, page) = get(&c, &metrics_url).await;
     let page = String::from_utf8(page.to_vec()).unwrap();
-    let n = |name: &str, labels: &[(&str, &str)]| faulty::metric(&page, name, labels);
+    let n = |name: &str, labels: &[(&str, &str)]| faults::metric(&page, name, labels);
     let chat_api = ("api", "openai-chat");
     for (code, want) in [("413", 2.0), ("408", 1.0), ("400", 1.0), ("200", 2.0)] {
         assert_eq!(

@@ -4,16 +4,14 @@
 //! so a replica that never saw a class starts a new session's first turn
 //! of it from what the others learned.
 
-#[path = "mixed_support/mod.rs"]
-mod mixed;
-mod redis_support;
 mod support;
+use support::mixed;
 
 use std::time::{Duration, Instant};
 
 use mixed::{err, Conv, Script};
-use redis_support::Server;
 use serde_json::Value;
+use support::redis::Server;
 use support::{client_h1, get, Proxy, TestClient};
 use tidemark::estimate::Estimator;
 use tidemark::provider::Api;

@@ -2,13 +2,12 @@
 //! provider share one session's anchor, order and budget through a real
 //! `redis-server` that each test starts on a free port.
 
-mod redis_support;
 mod support;
 
 use std::time::{Duration, Instant};
 
-use redis_support::Server;
 use serde_json::{json, Value};
+use support::redis::Server;
 use support::{client_h1, get, post, send, Proxy, TestClient};
 use tidemark::sim::{self, SimConfig};
 

@@ -1,6 +1,18 @@
 //! Test support: start the real proxy and a real upstream on 127.0.0.1:0 and
 //! talk HTTP to them. No sleeps: every wait is bounded by `within`.
+//!
+//! Submodules, each shared by the test files that need it:
+//! - `faults`: an upstream whose bodies reset, stall or never come;
+//! - `mixed`: mixed-content agent sessions through the proxy in front of the
+//!   simulator (also `examples/drift.rs`, by path);
+//! - `redis`: a real `redis-server` on a free port;
+//! - `trim`: conversations for the trimmer and their per-API validators.
 #![allow(dead_code)]
+
+pub mod faults;
+pub mod mixed;
+pub mod redis;
+pub mod trim;
 
 use std::convert::Infallible;
 use std::future::Future;
