@@ -147,20 +147,34 @@ pub async fn upstream(handler: Handler) -> Upstream {
     }
 }
 
-/// The simulated provider (`tidemark::sim`) on a free port, stopped on drop.
+/// The simulated provider (`tidemark::sim`) on a free port, stopped on
+/// drop: the one upstream every test plays its provider with, with its
+/// cache accounting and its count of requests abandoned mid-fault
+/// (`x-sim-fault`).
 pub struct Sim {
     pub url: String,
+    pub addr: SocketAddr,
+    pub acct: tidemark::sim::Accounting,
+    pub abandoned: tidemark::sim::Abandoned,
     _stop: oneshot::Sender<()>,
 }
 
 pub async fn sim(cfg: tidemark::sim::SimConfig) -> Sim {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
+    let addr = l.local_addr().unwrap();
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(tidemark::sim::serve(l, cfg, async move {
+    let s = tidemark::sim::Simulator::new(cfg);
+    let (acct, abandoned) = (s.accounting(), s.abandoned());
+    tokio::spawn(s.serve(l, async move {
         let _ = rx.await;
     }));
-    Sim { url, _stop: tx }
+    Sim {
+        url: format!("http://{addr}"),
+        addr,
+        acct,
+        abandoned,
+        _stop: tx,
+    }
 }
 
 /// A handler from a plain closure returning a response.
