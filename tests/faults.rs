@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use faults::{metric, FBody};
 use support::{client_h1, client_h2c, full, get, post_json, send, within, TestClient};
+use tidemark::sim::{SimConfig, X_SIM_FAULT};
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -346,6 +347,11 @@ fn chat_stream_prefix() -> (Bytes, Bytes) {
     (f.slice(..cut), f)
 }
 
+/// The events in an SSE body.
+fn events(b: &[u8]) -> usize {
+    b.windows(2).filter(|w| *w == b"\n\n").count()
+}
+
 fn memchr_find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
@@ -491,32 +497,18 @@ async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() {
-    let (dropped_tx, mut dropped_rx) = mpsc::unbounded_channel::<()>();
-    struct OnDrop(mpsc::UnboundedSender<()>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.send(());
-        }
-    }
-    let up = faults::start(faults::async_handler(move |_req| {
-        let guard = OnDrop(dropped_tx.clone());
-        async move {
-            let _guard = guard;
-            std::future::pending::<()>().await;
-            Response::new(faults::full(""))
-        }
-    }))
-    .await;
+    let up = support::sim(SimConfig::default()).await;
     let px = support::proxy(
-        &up.url(),
+        &up.url,
         &[
             "--upstream-timeout",
             "500ms",
             "--route",
-            &format!("/v1/messages={}", up.url()),
+            &format!("/v1/messages={}", up.url),
         ],
     )
     .await;
+    let mut sent = 0;
     for (path, body) in [
         (CHAT, chat_body(true)),
         (
@@ -527,8 +519,14 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
     ] {
         for client in [client_h1(), client_h2c()] {
             let t = Instant::now();
-            let (parts, body) = post_json(&client, &px.url(path), &body).await;
+            let req = Request::post(px.url(path))
+                .header("content-type", "application/json")
+                .header(X_SIM_FAULT, "hang")
+                .body(full(body.clone()))
+                .unwrap();
+            let (parts, body) = send(&client, req).await;
             let took = t.elapsed();
+            sent += 1;
             assert_eq!(parts.status, StatusCode::GATEWAY_TIMEOUT, "{path}");
             assert_eq!(
                 parts.headers.get("x-tidemark-error").unwrap(),
@@ -542,12 +540,14 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
             assert!(v.get("error").is_some(), "error in the API's shape: {v}");
         }
     }
-    // The proxy gave up on the upstream request: the upstream sees it go.
-    within(10, dropped_rx.recv())
-        .await
-        .expect("the hanging upstream request was cancelled");
+    // The proxy gave up on each upstream request: the upstream sees them go.
+    within(10, up.abandoned.reach(sent)).await;
     // Passthrough paths time out too.
-    let (parts, _) = get(&fresh_client(), &px.url("/v1/models")).await;
+    let req = Request::get(px.url("/v1/models"))
+        .header(X_SIM_FAULT, "hang")
+        .body(full(Bytes::new()))
+        .unwrap();
+    let (parts, _) = send(&fresh_client(), req).await;
     assert_eq!(parts.status, StatusCode::GATEWAY_TIMEOUT);
     assert_ready(&px).await;
     px.stop().await;
@@ -555,38 +555,23 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
-    let (prefix, _) = chat_stream_prefix();
-    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faults::start(faults::handler({
-        let prefix = prefix.clone();
-        move |_req| {
-            let (tx, body) = faults::channel();
-            let prefix = prefix.clone();
-            let senders_tx = senders_tx.clone();
-            tokio::spawn(async move {
-                let _ = tx.send(Ok(prefix)).await;
-                // Then silence; hand the sender to the test to watch for the cancel.
-                let _ = senders_tx.send(tx);
-            });
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
-    let px = support::proxy(&up.url(), &["--idle-timeout", "500ms"]).await;
-    for (proto, client) in [("h1", client_h1()), ("h2c", client_h2c())] {
+    let up = support::sim(SimConfig::default()).await;
+    let px = support::proxy(&up.url, &["--idle-timeout", "500ms"]).await;
+    for (i, (proto, client)) in [("h1", client_h1()), ("h2c", client_h2c())]
+        .into_iter()
+        .enumerate()
+    {
         let t = Instant::now();
         let req = Request::post(px.url(CHAT))
             .header("content-type", "application/json")
+            .header(X_SIM_FAULT, "stall-after=2")
             .body(full(chat_body(true)))
             .unwrap();
         let resp = within(10, client.request(req)).await.unwrap();
         assert_eq!(resp.status(), 200);
         let (got, errored) = drain(resp.into_body()).await;
         let took = t.elapsed();
-        assert_eq!(got, prefix, "{proto}");
+        assert_eq!(events(&got), 2, "{proto}: the events before the stall");
         assert!(
             errored,
             "{proto}: an idle-timed-out stream ends in an error"
@@ -595,8 +580,8 @@ async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
             took >= Duration::from_millis(450) && took < Duration::from_secs(5),
             "{proto}: ended after {took:?}"
         );
-        let tx: mpsc::Sender<_> = within(5, senders_rx.recv()).await.unwrap();
-        within(10, tx.closed()).await;
+        // The proxy let go of the stalled upstream stream.
+        within(10, up.abandoned.reach(i as u64 + 1)).await;
     }
     assert_ready(&px).await;
     px.stop().await;
@@ -607,45 +592,17 @@ async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
 /// (the timer is re-armed from the last frame rather than fired).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_keeps_coming_outlasts_the_idle_timeout() {
-    let whole = support::fixture("openai-chat/stream_basic_with_usage.sse");
-    let events: Vec<Bytes> = {
-        let mut out = Vec::new();
-        let mut at = 0;
-        while let Some(k) = memchr_find(&whole[at..], b"\n\n") {
-            out.push(whole.slice(at..at + k + 2));
-            at += k + 2;
-        }
-        out.push(whole.slice(at..));
-        out.retain(|e| !e.is_empty());
-        out
-    };
-    assert!(events.len() >= 4, "the fixture has events to space out");
-    let gap = Duration::from_millis(150);
-    let up = faults::start(faults::handler({
-        let events = events.clone();
-        move |_req| {
-            let (tx, body) = faults::channel();
-            let events = events.clone();
-            tokio::spawn(async move {
-                for e in events {
-                    // The pace of the stream is what is under test.
-                    tokio::time::sleep(gap).await;
-                    if tx.send(Ok(e)).await.is_err() {
-                        return;
-                    }
-                }
-            });
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
+    let up = support::sim(SimConfig::default()).await;
+    // The whole stream, unpaced, straight from the sim.
+    let (_, whole) = post_json(&client_h1(), &format!("{}{CHAT}", up.url), &chat_body(true)).await;
+    assert!(events(&whole) >= 6, "the stream has events to space out");
     let timeout = Duration::from_millis(400);
-    let px = support::proxy(&up.url(), &["--idle-timeout", "400ms"]).await;
+    let px = support::proxy(&up.url, &["--idle-timeout", "400ms"]).await;
+    // The pace of the stream is what is under test: each gap well within
+    // the timeout, the whole well past it.
     let req = Request::post(px.url(CHAT))
         .header("content-type", "application/json")
+        .header(X_SIM_FAULT, "pace=150")
         .body(full(chat_body(true)))
         .unwrap();
     let t = Instant::now();
@@ -654,7 +611,8 @@ async fn a_stream_that_keeps_coming_outlasts_the_idle_timeout() {
     let (got, errored) = drain(resp.into_body()).await;
     assert!(t.elapsed() > timeout * 2, "the stream ran past the timeout");
     assert!(!errored, "a stream with no long silence is not cut");
-    assert_eq!(got, whole.to_vec(), "every event arrived");
+    assert_eq!(events(&got), events(&whole), "every event arrived");
+    assert!(got.ends_with(b"data: [DONE]\n\n"), "to the end");
     px.stop().await;
 }
 
