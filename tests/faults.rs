@@ -18,7 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use faults::{metric, FBody};
+use faults::metric;
 use support::{client_h1, client_h2c, full, get, post_json, send, within, TestClient};
 use tidemark::sim::{SimConfig, X_SIM_FAULT};
 
@@ -331,54 +331,42 @@ async fn a_kept_alive_connection_slow_with_its_next_request_head_is_cut_off() {
 // Upstream faults
 // ---------------------------------------------------------------------------
 
-/// The first `cut` bytes of the OpenAI chat stream fixture, before its usage chunk.
-fn chat_stream_prefix() -> (Bytes, Bytes) {
-    let f = support::fixture("openai-chat/stream_basic_with_usage.sse");
-    let usage_at = memchr_find(&f, b"\"choices\":[]").expect("fixture has a usage chunk");
-    // Cut at an event boundary well before the usage chunk.
-    let text = &f[..usage_at];
-    let cut = text
-        .windows(2)
-        .enumerate()
-        .filter(|(_, w)| *w == b"\n\n")
-        .map(|(i, _)| i + 2)
-        .nth(2)
-        .expect("three events before usage");
-    (f.slice(..cut), f)
-}
-
 /// The events in an SSE body.
 fn events(b: &[u8]) -> usize {
     b.windows(2).filter(|w| *w == b"\n\n").count()
 }
 
-fn memchr_find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_anchor_loss() {
-    let (prefix, whole) = chat_stream_prefix();
-    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faults::start(faults::handler({
-        let whole = whole.clone();
-        move |req| {
-            let body: FBody = if req.headers().contains_key("x-test-reset") {
-                // The test feeds this stream, then makes the upstream die.
-                let (tx, body) = faults::channel();
-                let _ = senders_tx.send(tx);
-                body
-            } else {
-                faults::full(whole.clone())
-            };
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
-    let px = support::proxy(&up.url(), &[]).await;
+    let up = support::sim(SimConfig::default()).await;
+    // A complete stream's first three events: what the client must get
+    // before the reset (same model; the sim's ids have a fixed width).
+    let body = chat_body(true).replace("\"gpt-4o\"", "\"gpt-4o-fault-reset\"");
+    let (_, direct) = post_json(&client_h1(), &format!("{}{CHAT}", up.url), &body).await;
+    let prefix_len = direct
+        .windows(2)
+        .enumerate()
+        .filter(|(_, w)| *w == b"\n\n")
+        .map(|(i, _)| i + 2)
+        .nth(2)
+        .expect("three events");
+    // Ids, timestamps and padding aside, the same events.
+    let shape = |b: &[u8]| -> Vec<serde_json::Value> {
+        String::from_utf8_lossy(b)
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(|d| {
+                serde_json::from_str::<serde_json::Value>(d).expect("whole events")["choices"]
+                    .clone()
+            })
+            .collect()
+    };
+    let prefix = shape(&direct[..prefix_len]);
+    assert!(
+        events(&direct) > 4,
+        "a reset after three events is mid-stream"
+    );
+    let px = support::proxy(&up.url, &[]).await;
     // Metrics are global to the test binary: compare a control session (two
     // complete streams) with one that also loses a stream to a reset, each
     // under a model name no other test uses.
@@ -397,42 +385,33 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
                 .header("content-type", "application/json")
                 .header("x-session-id", format!("{model}-{proto}"));
             if reset {
-                b = b.header("x-test-reset", "1");
+                b = b.header(X_SIM_FAULT, "reset-after=3");
             }
             b.body(full(body)).unwrap()
         };
         // Control: two complete streams.
+        let complete = |got: &Bytes| events(got) == events(&direct) && got.ends_with(b"[DONE]\n\n");
         for _ in 0..2 {
             let (parts, got) = send(&client, req("gpt-4o-fault-control", false)).await;
             assert_eq!(parts.status, 200);
-            assert_eq!(got, whole);
+            assert!(complete(&got), "{proto}: a whole stream");
         }
         // Anchor the session, lose a stream midway, then carry on.
         let (parts, got) = send(&client, req("gpt-4o-fault-reset", false)).await;
         assert_eq!(parts.status, 200);
-        assert_eq!(got, whole);
+        assert!(complete(&got), "{proto}: a whole stream");
 
         let resp = within(10, client.request(req("gpt-4o-fault-reset", true)))
             .await
             .unwrap();
         assert_eq!(resp.status(), 200, "{proto}");
-        let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
-        let mut body = resp.into_body();
-        // Two chunks reach the client, then the upstream dies.
-        let mid = prefix.len() / 2;
-        let mut got = Vec::new();
-        for part in [prefix.slice(..mid), prefix.slice(mid..)] {
-            tx.send(Ok(part.clone())).await.unwrap();
-            while got.len() < prefix.len() && !got.ends_with(&part) {
-                let f = within(10, body.frame()).await.unwrap().unwrap();
-                got.extend_from_slice(&f.into_data().unwrap());
-            }
-        }
-        let _ = tx.send(Err(Box::new(faults::Injected))).await;
-        let (rest, errored) = drain(body).await;
-        got.extend_from_slice(&rest);
+        let (got, errored) = drain(resp.into_body()).await;
+        assert_eq!(events(&got), 3, "{proto}");
+        assert!(got.ends_with(b"\n\n"), "{proto}");
+        assert!(got.ends_with(b"\n\n"), "{proto}");
         assert_eq!(
-            got, prefix,
+            shape(&got),
+            prefix,
             "{proto}: the client got every byte sent so far"
         );
         assert!(
@@ -442,7 +421,7 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
 
         let (parts, got) = send(&client, req("gpt-4o-fault-reset", false)).await;
         assert_eq!(parts.status, 200);
-        assert_eq!(got, whole);
+        assert!(complete(&got), "{proto}: a whole stream");
     }
     let after = counters(&metrics_page(&px).await);
     for (i, name) in ["anchor losses", "usage-missing counts"].iter().enumerate() {
@@ -457,6 +436,9 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
     px.stop().await;
 }
 
+/// Stays on `support::faults`: the chunk and the failure must leave the
+/// upstream back to back, a race the sim's `reset-after` avoids on purpose
+/// (it lets its events reach the wire before cutting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client() {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
@@ -671,6 +653,8 @@ async fn connect_refused_is_a_502_in_each_apis_shape() {
 // Clients that leave
 // ---------------------------------------------------------------------------
 
+/// Stays on `support::faults`: the test holds each upstream stream open
+/// and watches its sender close, phase by phase.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnects_at_every_phase_cancel_upstream_and_leave_the_proxy_healthy() {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
@@ -997,6 +981,8 @@ struct HeldStream {
 
 const FIRST: &[u8] = b"data: {\"n\":1}\n\n";
 
+/// On `support::faults`: the test decides when each byte of the held
+/// stream goes, around the shutdown signal.
 async fn proxy_holding_a_stream(flags: &[&str]) -> HeldStream {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
     let up = faults::start(faults::handler(move |req| {
