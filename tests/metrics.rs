@@ -12,6 +12,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Request, Response};
 use support::*;
+use tidemark::sim::{SimConfig, X_SIM_FAULT};
 
 /// (name, type, labels) exactly as SPEC §7 lists them.
 const SPEC: &[(&str, &str, &[&str])] = &[
@@ -548,30 +549,8 @@ async fn raw(addr: &str, request: &[u8], half_close: bool, secs: u64) -> String 
 /// resets or goes silent mid-stream is counted by kind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_counted() {
-    let (prefix, _) = {
-        let f = fixture("openai-chat/stream_basic_with_usage.sse");
-        (f.slice(..200), f)
-    };
-    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let up = faults::start(faults::handler({
-        let held = Arc::clone(&held);
-        move |req| {
-            let body = if req.headers().contains_key("x-test-reset") {
-                faults::then_reset_flushed(vec![prefix.clone()])
-            } else {
-                // A prefix, then silence (the sender is kept, not dropped).
-                let (tx, body) = faults::channel();
-                let _ = tx.try_send(Ok(prefix.clone()));
-                held.lock().unwrap().push(tx);
-                body
-            };
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
+    // The sim plays the provider; each mid-stream fault is asked for by header.
+    let up = support::sim(SimConfig::default()).await;
     let dead = format!("127.0.0.1:{}", free_port().await);
     let (listen, admin) = (
         format!("127.0.0.1:{}", free_port().await),
@@ -584,7 +563,7 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
             "--admin-listen",
             &admin,
             "--upstream",
-            &up.url(),
+            &up.url,
             "--route",
             &format!("/dead=http://{dead}"),
             "--max-body-bytes",
@@ -697,9 +676,14 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
     for reset in [true, false] {
         let mut b = Request::post(format!("http://{listen}/v1/chat/completions"))
             .header("content-type", "application/json");
-        if reset {
-            b = b.header("x-test-reset", "1");
-        }
+        b = b.header(
+            X_SIM_FAULT,
+            if reset {
+                "reset-after=2"
+            } else {
+                "stall-after=2"
+            },
+        );
         let body = r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
         let resp = within(20, client_h1().request(b.body(full(body)).unwrap()))
             .await
