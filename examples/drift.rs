@@ -6,7 +6,7 @@
 //! API counted by a public vocabulary the estimator never uses for it, plus
 //! hidden per-request, per-message and per-tool framing: `tidemark::sim`)
 //! and the real proxy in front of it, then drives two mixed-content agent
-//! sessions per API through the proxy (`tests/mixed_support`):
+//! sessions per API through the proxy (`tests/support/mixed.rs`):
 //!
 //! - `rotating`: every kind of content (prose, logs, JSON, code, CJK,
 //!   base64, emoji, Cyrillic) from the first turns on, on a model the proxy
@@ -24,7 +24,7 @@ use tidemark::sim::{self, SimConfig};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-#[path = "../tests/mixed_support/mod.rs"]
+#[path = "../tests/support/mixed.rs"]
 mod mixed;
 
 use mixed::{stats, Row};

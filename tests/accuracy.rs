@@ -12,27 +12,19 @@
 //! classes can only start from a prior, is held to the median and to 3%
 //! on every turn that brings no new class.
 
-#[path = "mixed_support/mod.rs"]
-mod mixed;
-
 use mixed::{err, stats, Row};
 use tidemark::estimate::Estimator;
-use tidemark::sim::{self, SimConfig};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tidemark::sim::SimConfig;
 
 mod support;
+use support::mixed;
 
 const TURNS: usize = 36;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_class_projection_is_within_half_a_percent_on_every_api() {
-    let sim_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let sim_url = format!("http://{}", sim_l.local_addr().unwrap());
-    let (sim_stop, sim_stopped) = oneshot::channel::<()>();
-    tokio::spawn(sim::serve(sim_l, SimConfig::default(), async move {
-        let _ = sim_stopped.await;
-    }));
+    let sim = support::sim(SimConfig::default()).await;
+    let sim_url = sim.url.clone();
     let route = format!("/v1/messages={sim_url}");
     let px = support::proxy(&sim_url, &["--route", &route]).await;
     let addr = px.addr;
@@ -105,5 +97,5 @@ async fn per_class_projection_is_within_half_a_percent_on_every_api() {
     eprintln!("{report}");
     assert!(failures.is_empty(), "{report}\n{}", failures.join("\n"));
     px.stop().await;
-    let _ = sim_stop.send(());
+    drop(sim);
 }

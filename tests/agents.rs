@@ -38,7 +38,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
-use tidemark::sim::{SimConfig, Simulator, ToolCalls};
+use tidemark::sim::{SimConfig, ToolCalls};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -529,7 +529,7 @@ struct Stage {
     record: PathBuf,
     /// Where this stage's log lines begin.
     log_mark: usize,
-    _sim: oneshot::Sender<()>,
+    _sim: support::Sim,
 }
 
 async fn stage(via: Via, tag: &str) -> Stage {
@@ -539,19 +539,14 @@ async fn stage(via: Via, tag: &str) -> Stage {
     };
     let scratch = Scratch::new(tag);
     let record = scratch.0.join("sim-record");
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let sim = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let cfg = SimConfig {
+    let sim = support::sim(SimConfig {
         // As `tidemark sim` serves agents: a tool call only when asked.
         tool_calls: ToolCalls::WhenAsked,
         record: Some(record.clone()),
         ..SimConfig::default()
-    };
-    tokio::spawn(Simulator::new(cfg).serve(listener, async move {
-        let _ = stopped.await;
-    }));
-    let sim_url = format!("http://{sim}");
+    })
+    .await;
+    let sim_url = sim.url.clone();
     let proxy = match via {
         Via::Direct => None,
         // Every API to the sim: Anthropic's default route replaced.
@@ -559,14 +554,14 @@ async fn stage(via: Via, tag: &str) -> Stage {
             Some(support::proxy(&sim_url, &["--route", &format!("/v1/messages={sim_url}")]).await)
         }
     };
-    let relay = relay(proxy.as_ref().map_or(sim, |p| p.addr)).await;
+    let relay = relay(proxy.as_ref().map_or(sim.addr, |p| p.addr)).await;
     Stage {
         scratch,
         relay,
         proxy,
         record,
         log_mark,
-        _sim: stop,
+        _sim: sim,
     }
 }
 

@@ -4,35 +4,14 @@
 //! its own accounting per credential: tidemark's busts and invalidated
 //! tokens must be the provider's.
 mod support;
-
-use std::net::SocketAddr;
+use support::Sim;
 
 use serde_json::{json, Value};
 use support::{client_h1, get, send, Proxy};
-use tidemark::sim::{Accounting, CacheStats, SimConfig, Simulator};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-
-struct Sim {
-    url: String,
-    acct: Accounting,
-    _stop: oneshot::Sender<()>,
-}
+use tidemark::sim::{CacheStats, SimConfig};
 
 async fn sim() -> Sim {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr: SocketAddr = l.local_addr().unwrap();
-    let (tx, rx) = oneshot::channel::<()>();
-    let s = Simulator::new(SimConfig::default());
-    let acct = s.accounting();
-    tokio::spawn(s.serve(l, async move {
-        let _ = rx.await;
-    }));
-    Sim {
-        url: format!("http://{addr}"),
-        acct,
-        _stop: tx,
-    }
+    support::sim(SimConfig::default()).await
 }
 
 async fn proxy_for(s: &Sim, extra: &[&str]) -> Proxy {

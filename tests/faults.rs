@@ -3,8 +3,8 @@
 //! conflicting headers, HTTP/2 resets and graceful shutdown. The real proxy
 //! and real upstreams on 127.0.0.1:0; every wait is bounded, none is a sleep.
 
-mod faulty;
 mod support;
+use support::faults;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -18,8 +18,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use faulty::{metric, FBody};
+use faults::metric;
 use support::{client_h1, client_h2c, full, get, post_json, send, within, TestClient};
+use tidemark::sim::{SimConfig, X_SIM_FAULT};
 
 const CHAT: &str = "/v1/chat/completions";
 
@@ -330,49 +331,42 @@ async fn a_kept_alive_connection_slow_with_its_next_request_head_is_cut_off() {
 // Upstream faults
 // ---------------------------------------------------------------------------
 
-/// The first `cut` bytes of the OpenAI chat stream fixture, before its usage chunk.
-fn chat_stream_prefix() -> (Bytes, Bytes) {
-    let f = support::fixture("openai-chat/stream_basic_with_usage.sse");
-    let usage_at = memchr_find(&f, b"\"choices\":[]").expect("fixture has a usage chunk");
-    // Cut at an event boundary well before the usage chunk.
-    let text = &f[..usage_at];
-    let cut = text
+/// The events in an SSE body.
+fn events(b: &[u8]) -> usize {
+    b.windows(2).filter(|w| *w == b"\n\n").count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_anchor_loss() {
+    let up = support::sim(SimConfig::default()).await;
+    // A complete stream's first three events: what the client must get
+    // before the reset (same model; the sim's ids have a fixed width).
+    let body = chat_body(true).replace("\"gpt-4o\"", "\"gpt-4o-fault-reset\"");
+    let (_, direct) = post_json(&client_h1(), &format!("{}{CHAT}", up.url), &body).await;
+    let prefix_len = direct
         .windows(2)
         .enumerate()
         .filter(|(_, w)| *w == b"\n\n")
         .map(|(i, _)| i + 2)
         .nth(2)
-        .expect("three events before usage");
-    (f.slice(..cut), f)
-}
-
-fn memchr_find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_anchor_loss() {
-    let (prefix, whole) = chat_stream_prefix();
-    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler({
-        let whole = whole.clone();
-        move |req| {
-            let body: FBody = if req.headers().contains_key("x-test-reset") {
-                // The test feeds this stream, then makes the upstream die.
-                let (tx, body) = faulty::channel();
-                let _ = senders_tx.send(tx);
-                body
-            } else {
-                faulty::full(whole.clone())
-            };
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
-    let px = support::proxy(&up.url(), &[]).await;
+        .expect("three events");
+    // Ids, timestamps and padding aside, the same events.
+    let shape = |b: &[u8]| -> Vec<serde_json::Value> {
+        String::from_utf8_lossy(b)
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .map(|d| {
+                serde_json::from_str::<serde_json::Value>(d).expect("whole events")["choices"]
+                    .clone()
+            })
+            .collect()
+    };
+    let prefix = shape(&direct[..prefix_len]);
+    assert!(
+        events(&direct) > 4,
+        "a reset after three events is mid-stream"
+    );
+    let px = support::proxy(&up.url, &[]).await;
     // Metrics are global to the test binary: compare a control session (two
     // complete streams) with one that also loses a stream to a reset, each
     // under a model name no other test uses.
@@ -391,42 +385,33 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
                 .header("content-type", "application/json")
                 .header("x-session-id", format!("{model}-{proto}"));
             if reset {
-                b = b.header("x-test-reset", "1");
+                b = b.header(X_SIM_FAULT, "reset-after=3");
             }
             b.body(full(body)).unwrap()
         };
         // Control: two complete streams.
+        let complete = |got: &Bytes| events(got) == events(&direct) && got.ends_with(b"[DONE]\n\n");
         for _ in 0..2 {
             let (parts, got) = send(&client, req("gpt-4o-fault-control", false)).await;
             assert_eq!(parts.status, 200);
-            assert_eq!(got, whole);
+            assert!(complete(&got), "{proto}: a whole stream");
         }
         // Anchor the session, lose a stream midway, then carry on.
         let (parts, got) = send(&client, req("gpt-4o-fault-reset", false)).await;
         assert_eq!(parts.status, 200);
-        assert_eq!(got, whole);
+        assert!(complete(&got), "{proto}: a whole stream");
 
         let resp = within(10, client.request(req("gpt-4o-fault-reset", true)))
             .await
             .unwrap();
         assert_eq!(resp.status(), 200, "{proto}");
-        let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
-        let mut body = resp.into_body();
-        // Two chunks reach the client, then the upstream dies.
-        let mid = prefix.len() / 2;
-        let mut got = Vec::new();
-        for part in [prefix.slice(..mid), prefix.slice(mid..)] {
-            tx.send(Ok(part.clone())).await.unwrap();
-            while got.len() < prefix.len() && !got.ends_with(&part) {
-                let f = within(10, body.frame()).await.unwrap().unwrap();
-                got.extend_from_slice(&f.into_data().unwrap());
-            }
-        }
-        let _ = tx.send(Err(Box::new(faulty::Injected))).await;
-        let (rest, errored) = drain(body).await;
-        got.extend_from_slice(&rest);
+        let (got, errored) = drain(resp.into_body()).await;
+        assert_eq!(events(&got), 3, "{proto}");
+        assert!(got.ends_with(b"\n\n"), "{proto}");
+        assert!(got.ends_with(b"\n\n"), "{proto}");
         assert_eq!(
-            got, prefix,
+            shape(&got),
+            prefix,
             "{proto}: the client got every byte sent so far"
         );
         assert!(
@@ -436,7 +421,7 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
 
         let (parts, got) = send(&client, req("gpt-4o-fault-reset", false)).await;
         assert_eq!(parts.status, 200);
-        assert_eq!(got, whole);
+        assert!(complete(&got), "{proto}: a whole stream");
     }
     let after = counters(&metrics_page(&px).await);
     for (i, name) in ["anchor losses", "usage-missing counts"].iter().enumerate() {
@@ -451,11 +436,14 @@ async fn upstream_reset_mid_stream_gives_the_bytes_so_far_then_an_error_and_no_a
     px.stop().await;
 }
 
+/// Stays on `support::faults`: the chunk and the failure must leave the
+/// upstream back to back, a race the sim's `reset-after` avoids on purpose
+/// (it lets its events reach the wire before cutting).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client() {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |_req| {
-        let (tx, body) = faulty::channel();
+    let up = faults::start(faults::handler(move |_req| {
+        let (tx, body) = faults::channel();
         let _ = senders_tx.send(tx);
         Response::builder()
             .header("content-type", "text/event-stream")
@@ -477,7 +465,7 @@ async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client(
             let tx: mpsc::Sender<_> = within(10, senders_rx.recv()).await.unwrap();
             // The chunk and the failure back to back, as a dying upstream sends them.
             tx.send(Ok(last.clone())).await.unwrap();
-            tx.send(Err(Box::new(faulty::Injected))).await.unwrap();
+            tx.send(Err(Box::new(faults::Injected))).await.unwrap();
             let (got, errored) = drain(resp.into_body()).await;
             assert_eq!(
                 got, last,
@@ -491,32 +479,18 @@ async fn bytes_that_arrive_just_before_an_upstream_reset_still_reach_the_client(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() {
-    let (dropped_tx, mut dropped_rx) = mpsc::unbounded_channel::<()>();
-    struct OnDrop(mpsc::UnboundedSender<()>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.send(());
-        }
-    }
-    let up = faulty::start(faulty::async_handler(move |_req| {
-        let guard = OnDrop(dropped_tx.clone());
-        async move {
-            let _guard = guard;
-            std::future::pending::<()>().await;
-            Response::new(faulty::full(""))
-        }
-    }))
-    .await;
+    let up = support::sim(SimConfig::default()).await;
     let px = support::proxy(
-        &up.url(),
+        &up.url,
         &[
             "--upstream-timeout",
             "500ms",
             "--route",
-            &format!("/v1/messages={}", up.url()),
+            &format!("/v1/messages={}", up.url),
         ],
     )
     .await;
+    let mut sent = 0;
     for (path, body) in [
         (CHAT, chat_body(true)),
         (
@@ -527,8 +501,14 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
     ] {
         for client in [client_h1(), client_h2c()] {
             let t = Instant::now();
-            let (parts, body) = post_json(&client, &px.url(path), &body).await;
+            let req = Request::post(px.url(path))
+                .header("content-type", "application/json")
+                .header(X_SIM_FAULT, "hang")
+                .body(full(body.clone()))
+                .unwrap();
+            let (parts, body) = send(&client, req).await;
             let took = t.elapsed();
+            sent += 1;
             assert_eq!(parts.status, StatusCode::GATEWAY_TIMEOUT, "{path}");
             assert_eq!(
                 parts.headers.get("x-tidemark-error").unwrap(),
@@ -542,12 +522,14 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
             assert!(v.get("error").is_some(), "error in the API's shape: {v}");
         }
     }
-    // The proxy gave up on the upstream request: the upstream sees it go.
-    within(10, dropped_rx.recv())
-        .await
-        .expect("the hanging upstream request was cancelled");
+    // The proxy gave up on each upstream request: the upstream sees them go.
+    within(10, up.abandoned.reach(sent)).await;
     // Passthrough paths time out too.
-    let (parts, _) = get(&fresh_client(), &px.url("/v1/models")).await;
+    let req = Request::get(px.url("/v1/models"))
+        .header(X_SIM_FAULT, "hang")
+        .body(full(Bytes::new()))
+        .unwrap();
+    let (parts, _) = send(&fresh_client(), req).await;
     assert_eq!(parts.status, StatusCode::GATEWAY_TIMEOUT);
     assert_ready(&px).await;
     px.stop().await;
@@ -555,38 +537,23 @@ async fn upstream_hanging_before_headers_is_a_504_within_the_upstream_timeout() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
-    let (prefix, _) = chat_stream_prefix();
-    let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler({
-        let prefix = prefix.clone();
-        move |_req| {
-            let (tx, body) = faulty::channel();
-            let prefix = prefix.clone();
-            let senders_tx = senders_tx.clone();
-            tokio::spawn(async move {
-                let _ = tx.send(Ok(prefix)).await;
-                // Then silence; hand the sender to the test to watch for the cancel.
-                let _ = senders_tx.send(tx);
-            });
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
-    let px = support::proxy(&up.url(), &["--idle-timeout", "500ms"]).await;
-    for (proto, client) in [("h1", client_h1()), ("h2c", client_h2c())] {
+    let up = support::sim(SimConfig::default()).await;
+    let px = support::proxy(&up.url, &["--idle-timeout", "500ms"]).await;
+    for (i, (proto, client)) in [("h1", client_h1()), ("h2c", client_h2c())]
+        .into_iter()
+        .enumerate()
+    {
         let t = Instant::now();
         let req = Request::post(px.url(CHAT))
             .header("content-type", "application/json")
+            .header(X_SIM_FAULT, "stall-after=2")
             .body(full(chat_body(true)))
             .unwrap();
         let resp = within(10, client.request(req)).await.unwrap();
         assert_eq!(resp.status(), 200);
         let (got, errored) = drain(resp.into_body()).await;
         let took = t.elapsed();
-        assert_eq!(got, prefix, "{proto}");
+        assert_eq!(events(&got), 2, "{proto}: the events before the stall");
         assert!(
             errored,
             "{proto}: an idle-timed-out stream ends in an error"
@@ -595,8 +562,8 @@ async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
             took >= Duration::from_millis(450) && took < Duration::from_secs(5),
             "{proto}: ended after {took:?}"
         );
-        let tx: mpsc::Sender<_> = within(5, senders_rx.recv()).await.unwrap();
-        within(10, tx.closed()).await;
+        // The proxy let go of the stalled upstream stream.
+        within(10, up.abandoned.reach(i as u64 + 1)).await;
     }
     assert_ready(&px).await;
     px.stop().await;
@@ -607,45 +574,17 @@ async fn upstream_stalling_mid_stream_is_ended_by_the_idle_timeout() {
 /// (the timer is re-armed from the last frame rather than fired).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_keeps_coming_outlasts_the_idle_timeout() {
-    let whole = support::fixture("openai-chat/stream_basic_with_usage.sse");
-    let events: Vec<Bytes> = {
-        let mut out = Vec::new();
-        let mut at = 0;
-        while let Some(k) = memchr_find(&whole[at..], b"\n\n") {
-            out.push(whole.slice(at..at + k + 2));
-            at += k + 2;
-        }
-        out.push(whole.slice(at..));
-        out.retain(|e| !e.is_empty());
-        out
-    };
-    assert!(events.len() >= 4, "the fixture has events to space out");
-    let gap = Duration::from_millis(150);
-    let up = faulty::start(faulty::handler({
-        let events = events.clone();
-        move |_req| {
-            let (tx, body) = faulty::channel();
-            let events = events.clone();
-            tokio::spawn(async move {
-                for e in events {
-                    // The pace of the stream is what is under test.
-                    tokio::time::sleep(gap).await;
-                    if tx.send(Ok(e)).await.is_err() {
-                        return;
-                    }
-                }
-            });
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
+    let up = support::sim(SimConfig::default()).await;
+    // The whole stream, unpaced, straight from the sim.
+    let (_, whole) = post_json(&client_h1(), &format!("{}{CHAT}", up.url), &chat_body(true)).await;
+    assert!(events(&whole) >= 6, "the stream has events to space out");
     let timeout = Duration::from_millis(400);
-    let px = support::proxy(&up.url(), &["--idle-timeout", "400ms"]).await;
+    let px = support::proxy(&up.url, &["--idle-timeout", "400ms"]).await;
+    // The pace of the stream is what is under test: each gap well within
+    // the timeout, the whole well past it.
     let req = Request::post(px.url(CHAT))
         .header("content-type", "application/json")
+        .header(X_SIM_FAULT, "pace=150")
         .body(full(chat_body(true)))
         .unwrap();
     let t = Instant::now();
@@ -654,7 +593,8 @@ async fn a_stream_that_keeps_coming_outlasts_the_idle_timeout() {
     let (got, errored) = drain(resp.into_body()).await;
     assert!(t.elapsed() > timeout * 2, "the stream ran past the timeout");
     assert!(!errored, "a stream with no long silence is not cut");
-    assert_eq!(got, whole.to_vec(), "every event arrived");
+    assert_eq!(events(&got), events(&whole), "every event arrived");
+    assert!(got.ends_with(b"data: [DONE]\n\n"), "to the end");
     px.stop().await;
 }
 
@@ -713,14 +653,16 @@ async fn connect_refused_is_a_502_in_each_apis_shape() {
 // Clients that leave
 // ---------------------------------------------------------------------------
 
+/// Stays on `support::faults`: the test holds each upstream stream open
+/// and watches its sender close, phase by phase.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnects_at_every_phase_cancel_upstream_and_leave_the_proxy_healthy() {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |req| {
+    let up = faults::start(faults::handler(move |req| {
         if req.method() == http::Method::GET {
-            return Response::new(faulty::full("{}"));
+            return Response::new(faults::full("{}"));
         }
-        let (tx, body) = faulty::channel();
+        let (tx, body) = faults::channel();
         let senders_tx = senders_tx.clone();
         tokio::spawn(async move {
             let _ = tx
@@ -1032,20 +974,22 @@ struct HeldStream {
     addr: SocketAddr,
     stop: oneshot::Sender<()>,
     run: tokio::task::JoinHandle<Result<(), tidemark::server::StartError>>,
-    tx: mpsc::Sender<Result<Bytes, faulty::BoxError>>,
+    tx: mpsc::Sender<Result<Bytes, faults::BoxError>>,
     body: hyper::body::Incoming,
-    _up: faulty::Faulty,
+    _up: faults::Faulty,
 }
 
 const FIRST: &[u8] = b"data: {\"n\":1}\n\n";
 
+/// On `support::faults`: the test decides when each byte of the held
+/// stream goes, around the shutdown signal.
 async fn proxy_holding_a_stream(flags: &[&str]) -> HeldStream {
     let (senders_tx, mut senders_rx) = mpsc::unbounded_channel();
-    let up = faulty::start(faulty::handler(move |req| {
+    let up = faults::start(faults::handler(move |req| {
         if req.uri().path().ends_with("/idle") {
-            return Response::new(faulty::full("ok"));
+            return Response::new(faults::full("ok"));
         }
-        let (tx, body) = faulty::channel();
+        let (tx, body) = faults::channel();
         let _ = senders_tx.send(tx);
         Response::builder()
             .header("content-type", "text/event-stream")

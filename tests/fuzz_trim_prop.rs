@@ -3,16 +3,16 @@
 //! API, shorter, with head, newest message and order kept; broken input never
 //! panics. `PROPTEST_CASES` sets the number of cases (default 256).
 
-mod trim_support;
+mod support;
 
 use proptest::prelude::*;
 use std::sync::OnceLock;
+use support::trim::*;
 
 use tidemark::estimate::{Estimate, Estimator};
 use tidemark::json::RequestView;
 use tidemark::policy::trim::{trim, trim_estimated, trim_sticky, Cut, Trimmed};
 use tidemark::provider::Api;
-use trim_support::*;
 
 /// One user turn: question length, tool steps (output lengths per call),
 /// and the answer's length if it has one.

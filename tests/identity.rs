@@ -10,7 +10,7 @@ use std::sync::Arc;
 use http::Request;
 use serde_json::{json, Value};
 use support::{client_h1, full, send, Proxy, TestClient};
-use tidemark::sim::{self, SimConfig};
+use tidemark::sim::SimConfig;
 
 /// A provider that answers every API with usage proportional to the body,
 /// and numbers its Responses ids.
@@ -337,12 +337,8 @@ async fn agent_ids_are_capped_like_header_keys() {
 /// with one lane, anchored from turn 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moving_cache_control_keeps_one_fingerprint() {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let sim_url = format!("http://{}", l.local_addr().unwrap());
-    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sim::serve(l, SimConfig::default(), async move {
-        let _ = rx.await;
-    }));
+    let sim = support::sim(SimConfig::default()).await;
+    let sim_url = sim.url.clone();
     let route = format!("/v1/messages={sim_url}");
     let px = support::proxy(&sim_url, &["--route", &route]).await;
     let c = client_h1();

@@ -12,21 +12,6 @@ use serde_json::{json, Value};
 use support::{client_h1, full, send, Proxy, TestClient};
 use tidemark::sim::{self, SimApi, SimConfig, X_SIM_PROMPT_TOKENS};
 
-struct Sim {
-    url: String,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-async fn start_sim() -> Sim {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sim::serve(l, SimConfig::default(), async move {
-        let _ = rx.await;
-    }));
-    Sim { url, _stop: tx }
-}
-
 async fn proxy(upstream: &str, extra: &[&str]) -> Proxy {
     let route = format!("/v1/messages={upstream}");
     let mut flags = vec!["--route", route.as_str()];
@@ -153,7 +138,7 @@ async fn side_calls_and_a_sub_agent_leave_the_main_lane_as_it_is_alone() {
     tokio::task::spawn_blocking(|| sim::count_prompt(SimApi::Anthropic, &main_loop(1)))
         .await
         .unwrap();
-    let sim = start_sim().await;
+    let sim = support::sim(SimConfig::default()).await;
     let c = client_h1();
     let turns = 8u64;
     let sub_turns = 4u64;
@@ -253,7 +238,7 @@ async fn the_main_loops_compaction_is_told_apart_from_a_sub_agent() {
     tokio::task::spawn_blocking(|| sim::count_prompt(SimApi::Anthropic, &main_loop(1)))
         .await
         .unwrap();
-    let sim = start_sim().await;
+    let sim = support::sim(SimConfig::default()).await;
     let c = client_h1();
     let px = proxy(&sim.url, &[]).await;
     let key = "agent-2";

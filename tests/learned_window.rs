@@ -5,35 +5,14 @@
 //! the lane. Through the real proxy in front of the simulated provider,
 //! which refuses in each server's real wording.
 mod support;
-
-use std::net::SocketAddr;
+use support::{sim, Sim};
 
 use serde_json::{json, Value};
 use support::{client_h1, get, send, Proxy};
-use tidemark::sim::{count_prompt, Flavour, SimApi, SimConfig, Simulator, X_SIM_PROMPT_TOKENS};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tidemark::sim::{count_prompt, Flavour, SimApi, SimConfig, X_SIM_PROMPT_TOKENS};
 
 /// The window every simulated server enforces here.
 const W: u64 = 2000;
-
-struct Sim {
-    url: String,
-    _stop: oneshot::Sender<()>,
-}
-
-async fn sim(cfg: SimConfig) -> Sim {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr: SocketAddr = l.local_addr().unwrap();
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(Simulator::new(cfg).serve(l, async move {
-        let _ = rx.await;
-    }));
-    Sim {
-        url: format!("http://{addr}"),
-        _stop: tx,
-    }
-}
 
 fn small(flavour: Flavour) -> SimConfig {
     SimConfig {

@@ -2,8 +2,8 @@
 //! traffic, the model label is capped, and a real Prometheus scraping a live
 //! tidemark answers every query of the Grafana dashboard.
 
-mod faulty;
 mod support;
+use support::faults;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,6 +12,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Request, Response};
 use support::*;
+use tidemark::sim::{SimConfig, X_SIM_FAULT};
 
 /// (name, type, labels) exactly as SPEC §7 lists them.
 const SPEC: &[(&str, &str, &[&str])] = &[
@@ -548,30 +549,8 @@ async fn raw(addr: &str, request: &[u8], half_close: bool, secs: u64) -> String 
 /// resets or goes silent mid-stream is counted by kind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_counted() {
-    let (prefix, _) = {
-        let f = fixture("openai-chat/stream_basic_with_usage.sse");
-        (f.slice(..200), f)
-    };
-    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let up = faulty::start(faulty::handler({
-        let held = Arc::clone(&held);
-        move |req| {
-            let body = if req.headers().contains_key("x-test-reset") {
-                faulty::then_reset_flushed(vec![prefix.clone()])
-            } else {
-                // A prefix, then silence (the sender is kept, not dropped).
-                let (tx, body) = faulty::channel();
-                let _ = tx.try_send(Ok(prefix.clone()));
-                held.lock().unwrap().push(tx);
-                body
-            };
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(body)
-                .unwrap()
-        }
-    }))
-    .await;
+    // The sim plays the provider; each mid-stream fault is asked for by header.
+    let up = support::sim(SimConfig::default()).await;
     let dead = format!("127.0.0.1:{}", free_port().await);
     let (listen, admin) = (
         format!("127.0.0.1:{}", free_port().await),
@@ -584,7 +563,7 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
             "--admin-listen",
             &admin,
             "--upstream",
-            &up.url(),
+            &up.url,
             "--route",
             &format!("/dead=http://{dead}"),
             "--max-body-bytes",
@@ -697,9 +676,14 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
     for reset in [true, false] {
         let mut b = Request::post(format!("http://{listen}/v1/chat/completions"))
             .header("content-type", "application/json");
-        if reset {
-            b = b.header("x-test-reset", "1");
-        }
+        b = b.header(
+            X_SIM_FAULT,
+            if reset {
+                "reset-after=2"
+            } else {
+                "stall-after=2"
+            },
+        );
         let body = r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
         let resp = within(20, client_h1().request(b.body(full(body)).unwrap()))
             .await
@@ -711,7 +695,7 @@ async fn every_family_is_exported_from_start_up_and_tidemarks_own_answers_are_co
 
     let (_, page) = get(&c, &metrics_url).await;
     let page = String::from_utf8(page.to_vec()).unwrap();
-    let n = |name: &str, labels: &[(&str, &str)]| faulty::metric(&page, name, labels);
+    let n = |name: &str, labels: &[(&str, &str)]| faults::metric(&page, name, labels);
     let chat_api = ("api", "openai-chat");
     for (code, want) in [("413", 2.0), ("408", 1.0), ("400", 1.0), ("200", 2.0)] {
         assert_eq!(

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use http::Request;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use tidemark::sim::{SimConfig, Simulator, X_SIM_PROMPT_TOKENS};
+use tidemark::sim::{SimConfig, X_SIM_PROMPT_TOKENS};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
@@ -149,14 +149,9 @@ fn hex_id(b64: &Value) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-async fn sim(cfg: SimConfig) -> (String, tokio::sync::oneshot::Sender<()>) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(Simulator::new(cfg).serve(l, async move {
-        let _ = rx.await;
-    }));
-    (url, tx)
+async fn sim(cfg: SimConfig) -> (String, support::Sim) {
+    let s = support::sim(cfg).await;
+    (s.url.clone(), s)
 }
 
 /// The proxy in front of `upstream`, exporting to `collector` quickly.

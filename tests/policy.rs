@@ -9,17 +9,16 @@
 //! Every answer carries that count in `x-sim-prompt-tokens` and as usage.
 
 mod support;
-mod trim_support;
 
 use std::sync::OnceLock;
 
 use bytes::Bytes;
 use http::Request;
 use serde_json::{json, Value};
+use support::trim::{agent_script, cache_controls, check_trimmed, raw_elements, render, validate};
+use support::trim::{Script, Step};
 use tidemark::provider::Api;
 use tidemark::sim::{count_prompt, SimApi, X_SIM_PROMPT_TOKENS};
-use trim_support::{agent_script, cache_controls, check_trimmed, raw_elements, render, validate};
-use trim_support::{Script, Step};
 
 use support::*;
 
@@ -560,10 +559,12 @@ async fn trim_case(case: &TrimCase) {
     let mut s2 = s1.clone();
     s2.steps.push(Step::Assistant(format!(
         "answer: {}",
-        trim_support::text(41, 300)
+        support::trim::text(41, 300)
     )));
-    s2.steps
-        .push(Step::User(format!("next: {}", trim_support::text(42, 200))));
+    s2.steps.push(Step::User(format!(
+        "next: {}",
+        support::trim::text(42, 200)
+    )));
     let b2 = request(case, &s2);
     let (p2, _) = post_session(&c, &proxy.url(case.path), &session, b2.clone()).await;
     assert_eq!(p2.status, 200);
@@ -594,7 +595,7 @@ async fn trim_case(case: &TrimCase) {
     // Untrimmable: one huge user message is rejected, not forwarded.
     let huge = Script {
         system: "short".into(),
-        steps: vec![Step::User(trim_support::text(7, (window as usize) * 8))],
+        steps: vec![Step::User(support::trim::text(7, (window as usize) * 8))],
         breakpoints: 0,
     };
     let (trims, rejects) = (
@@ -641,7 +642,7 @@ async fn trim_case(case: &TrimCase) {
     let mut s3 = s2.clone();
     s3.steps.push(Step::Assistant("ok".into()));
     s3.steps
-        .push(Step::User(trim_support::text(8, (window as usize) * 8)));
+        .push(Step::User(support::trim::text(8, (window as usize) * 8)));
     let (p4, _) = post_session(&c, &proxy.url(case.path), &session, request(case, &s3)).await;
     assert_reject_headers(&p4, window);
     assert_eq!(up.seen.count(), 2, "{api}: the huge paste was forwarded");

@@ -13,27 +13,11 @@ use http::Request;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use support::{full, within, TestClient};
-use tidemark::sim::{self, SimConfig, X_SIM_PROMPT_TOKENS};
-use tokio::net::TcpListener;
+use tidemark::sim::{SimConfig, X_SIM_PROMPT_TOKENS};
 use tokio::sync::{mpsc, oneshot};
 
 // ---------------------------------------------------------------------------
 // Stack
-
-struct Sim {
-    url: String,
-    _stop: oneshot::Sender<()>,
-}
-
-async fn start_sim(cfg: SimConfig) -> Sim {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(sim::serve(l, cfg, async move {
-        let _ = rx.await;
-    }));
-    Sim { url, _stop: tx }
-}
 
 struct Resp {
     parts: http::response::Parts,
@@ -347,7 +331,7 @@ fn is_cold(src: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anchored_from_turn_two_and_within_one_percent_over_thirty_dense_turns() {
-    let sim = start_sim(SimConfig {
+    let sim = support::sim(SimConfig {
         gzip: true,
         ..Default::default()
     })
@@ -430,7 +414,7 @@ async fn anchored_from_turn_two_and_within_one_percent_over_thirty_dense_turns()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fingerprints_anchor_and_never_cross_credentials() {
-    let sim = start_sim(SimConfig::default()).await;
+    let sim = support::sim(SimConfig::default()).await;
     let px = support::proxy(&sim.url, &[]).await;
     let c = support::client_h1();
     let model = "gpt-4o-e2e-fp";
@@ -483,18 +467,18 @@ async fn fingerprints_anchor_and_never_cross_credentials() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anchor_loss_is_one_episode_and_failures_are_not_losses() {
-    let good = start_sim(SimConfig::default()).await;
-    let omit = start_sim(SimConfig {
+    let good = support::sim(SimConfig::default()).await;
+    let omit = support::sim(SimConfig {
         omit_usage_every: Some(1),
         ..Default::default()
     })
     .await;
-    let fail = start_sim(SimConfig {
+    let fail = support::sim(SimConfig {
         fail_status: Some(500),
         ..Default::default()
     })
     .await;
-    let abort = start_sim(SimConfig {
+    let abort = support::sim(SimConfig {
         abort_after_events: Some(2),
         ..Default::default()
     })
@@ -739,8 +723,8 @@ fn fixture_text(rel: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_delete_model_change_and_shrink_are_not_losses() {
-    let sim = start_sim(SimConfig::default()).await;
-    let omit = start_sim(SimConfig {
+    let sim = support::sim(SimConfig::default()).await;
+    let omit = support::sim(SimConfig {
         omit_usage_every: Some(1),
         ..Default::default()
     })
@@ -1163,7 +1147,7 @@ fn set(xs: &[&str]) -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_objects_have_the_spec_fields_sorted_and_selectable() {
-    let sim = start_sim(SimConfig::default()).await;
+    let sim = support::sim(SimConfig::default()).await;
     let px = support::proxy(&sim.url, &["--context-window", "gpt-4o-e2e-list*=60000"]).await;
     let c = support::client_h1();
     let model = "gpt-4o-e2e-list";
@@ -1313,7 +1297,7 @@ async fn session_objects_have_the_spec_fields_sorted_and_selectable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_cold_start_reports_the_providers_count() {
-    let sim = start_sim(SimConfig::default()).await;
+    let sim = support::sim(SimConfig::default()).await;
     let route = format!("/v1/messages={}", sim.url);
     let px = support::proxy(&sim.url, &["--route", &route, "--exact-cold-start"]).await;
     let c = support::client_h1();
@@ -1337,7 +1321,7 @@ async fn exact_cold_start_reports_the_providers_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warning_at_and_above_warn_at() {
-    let sim = start_sim(SimConfig::default()).await;
+    let sim = support::sim(SimConfig::default()).await;
     let model = "gpt-4o-e2e-warn";
     let conv = Conv::new(Api::Chat, model, 91);
     let c = support::client_h1();

@@ -4,31 +4,24 @@
 //! so a replica that never saw a class starts a new session's first turn
 //! of it from what the others learned.
 
-#[path = "mixed_support/mod.rs"]
-mod mixed;
-mod redis_support;
 mod support;
+use support::mixed;
 
 use std::time::{Duration, Instant};
 
 use mixed::{err, Conv, Script};
-use redis_support::Server;
 use serde_json::Value;
+use support::redis::Server;
 use support::{client_h1, get, Proxy, TestClient};
 use tidemark::estimate::Estimator;
 use tidemark::provider::Api;
-use tidemark::sim::{self, SimConfig, X_SIM_PROMPT_TOKENS};
+use tidemark::sim::{SimConfig, X_SIM_PROMPT_TOKENS};
 
 const MODEL: &str = "claude-sonnet-4-5";
 
-async fn start_sim() -> (String, tokio::sync::oneshot::Sender<()>) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sim::serve(l, SimConfig::default(), async move {
-        let _ = rx.await;
-    }));
-    (url, tx)
+async fn start_sim() -> (String, support::Sim) {
+    let s = support::sim(SimConfig::default()).await;
+    (s.url.clone(), s)
 }
 
 async fn replica(sim: &str, state: Option<&str>) -> Proxy {

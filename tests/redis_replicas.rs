@@ -2,34 +2,23 @@
 //! provider share one session's anchor, order and budget through a real
 //! `redis-server` that each test starts on a free port.
 
-mod redis_support;
 mod support;
+use support::Sim;
 
 use std::time::{Duration, Instant};
 
-use redis_support::Server;
 use serde_json::{json, Value};
+use support::redis::Server;
 use support::{client_h1, get, post, send, Proxy, TestClient};
 use tidemark::sim::{self, SimConfig};
 
-/// The simulated provider on a free port, stopped on drop.
-struct Sim {
-    url: String,
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
+/// The simulated provider, its tokenizer loaded before any request waits on it.
 async fn start_sim() -> Sim {
     // Load the sim's tokenizer before any request waits on it.
     tokio::task::spawn_blocking(|| sim::count_prompt(sim::SimApi::Anthropic, &turn(1)))
         .await
         .unwrap();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sim::serve(l, SimConfig::default(), async move {
-        let _ = rx.await;
-    }));
-    Sim { url, _stop: tx }
+    support::sim(SimConfig::default()).await
 }
 
 async fn replicas(sim: &Sim, server: &Server, extra: &[&str]) -> (Proxy, Proxy) {
@@ -868,17 +857,11 @@ async fn a_chained_turn_on_another_replica_stays_in_its_lane() {
 async fn a_window_learned_by_one_replica_is_every_replicas() {
     const W: u64 = 3000;
     let server = Server::start();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
-    let cfg = SimConfig {
+    let small_sim = support::sim(SimConfig {
         context_window: Some(W),
         ..SimConfig::default()
-    };
-    tokio::spawn(sim::serve(l, cfg, async move {
-        let _ = rx.await;
-    }));
-    let small_sim = Sim { url, _stop };
+    })
+    .await;
     let (a, b) = replicas(&small_sim, &server, &["--on-over", "reject"]).await;
     let c = client_h1();
     let big = turn(14);

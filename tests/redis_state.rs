@@ -1,14 +1,14 @@
 //! The Redis state backend against a real `redis-server` that each test starts
 //! on a free port: two `RedisState`s stand for two tidemark replicas.
 
-mod redis_support;
+mod support;
 
 use std::io::Write;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use redis_support::{free_port, Server};
+use support::redis::{free_port, Server};
 use tidemark::session::redis::{
     Begin, CalField, RedisState, StateError, Totals, Write as Change, OP_TIMEOUT, PROBE_INTERVAL,
     SLOW_OUTAGE,

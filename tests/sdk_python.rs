@@ -7,7 +7,6 @@
 //! `target/venv`.
 
 mod support;
-mod trim_support;
 
 use std::process::Command;
 
@@ -152,7 +151,7 @@ async fn sdks_send_long_tool_conversations_through_trim() {
         } else {
             (Api::OpenAiChat, SimApi::OpenAiChat)
         };
-        if let Err(e) = trim_support::validate(api, &body) {
+        if let Err(e) = support::trim::validate(api, &body) {
             panic!("{api:?}: forwarded body invalid: {e}");
         }
         let v: Value = serde_json::from_slice(&body).unwrap();
@@ -162,7 +161,7 @@ async fn sdks_send_long_tool_conversations_through_trim() {
             "{api:?}: the upstream counts {n} tokens, over the line"
         );
         if api == Api::Anthropic {
-            assert!(trim_support::cache_controls(&v) <= 4);
+            assert!(support::trim::cache_controls(&v) <= 4);
         }
     }
 }

@@ -12,17 +12,12 @@ use sha2::{Digest, Sha256};
 use support::{client_h1, full, send, Proxy, TestClient};
 use tidemark::sim::{self, SimApi, SimConfig};
 
-async fn start_sim() -> (String, tokio::sync::oneshot::Sender<()>) {
+async fn start_sim() -> (String, support::Sim) {
     tokio::task::spawn_blocking(|| sim::count_prompt(SimApi::Anthropic, &turn(1)))
         .await
         .unwrap();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(sim::serve(l, SimConfig::default(), async move {
-        let _ = rx.await;
-    }));
-    (url, tx)
+    let s = support::sim(SimConfig::default()).await;
+    (s.url.clone(), s)
 }
 
 fn turn(t: u64) -> Value {

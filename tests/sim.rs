@@ -15,11 +15,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-use tidemark::sim::{
-    count_prompt, Accounting, Flavour, SimApi, SimConfig, Simulator, X_SIM_PROMPT_TOKENS,
-};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tidemark::sim::{count_prompt, Accounting, Flavour, SimApi, SimConfig, X_SIM_PROMPT_TOKENS};
 
 /// Fail the test instead of hanging.
 async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T {
@@ -36,7 +32,7 @@ fn fixture(p: &str) -> String {
 
 struct Sim {
     addr: SocketAddr,
-    _stop: oneshot::Sender<()>,
+    _sim: support::Sim,
 }
 
 async fn start(cfg: SimConfig) -> Sim {
@@ -45,15 +41,15 @@ async fn start(cfg: SimConfig) -> Sim {
 
 /// A sim and its cache accounting.
 async fn start_counted(cfg: SimConfig) -> (Sim, Accounting) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let (tx, rx) = oneshot::channel::<()>();
-    let s = Simulator::new(cfg);
-    let acct = s.accounting();
-    tokio::spawn(s.serve(l, async move {
-        let _ = rx.await;
-    }));
-    (Sim { addr, _stop: tx }, acct)
+    let s = support::sim(cfg).await;
+    let acct = s.acct.clone();
+    (
+        Sim {
+            addr: s.addr,
+            _sim: s,
+        },
+        acct,
+    )
 }
 
 struct Resp {
@@ -495,6 +491,91 @@ async fn faults_omit_usage_fail_and_abort() {
     })
     .await;
     assert!(r.is_err(), "the stream is cut, not ended cleanly");
+}
+
+/// `x-sim-fault` breaks one request of a well-behaved sim: a reset after N
+/// events, a stall after N events (counted as abandoned once the client
+/// leaves), a hang before the headers, a paced stream; the next request
+/// without the header is whole, and every fault keeps the sim's own count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_request_faults_reset_stall_hang_and_pace() {
+    let s = support::sim(SimConfig::default()).await;
+    let req = anthropic_req(true);
+    let whole = post(s.addr, "/v1/messages", &req, false).await;
+    let events = whole.text().matches("\n\n").count();
+    assert!(events > 4, "a stream with events to cut");
+    let open = |fault: &'static str| {
+        let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+        let req = Request::post(format!("{}/v1/messages", s.url))
+            .header(tidemark::sim::X_SIM_FAULT, fault)
+            .body(Full::new(Bytes::from(req.to_string())))
+            .unwrap();
+        async move { client.request(req).await }
+    };
+    // Reset after two events: the first two events, then an error.
+    let resp = within(20, open("reset-after=2")).await.unwrap();
+    assert_eq!(
+        resp.headers()[X_SIM_PROMPT_TOKENS],
+        whole.sim_count().to_string()
+    );
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    let errored = within(20, async {
+        loop {
+            match body.frame().await {
+                Some(Ok(f)) => got.extend_from_slice(f.data_ref().map_or(&[][..], |d| &d[..])),
+                Some(Err(_)) => break true,
+                None => break false,
+            }
+        }
+    })
+    .await;
+    assert!(errored, "a reset stream does not end cleanly");
+    // The same events as the whole stream's first two (its own message id).
+    let got = String::from_utf8(got).unwrap();
+    let want: String = whole.text().split_inclusive("\n\n").take(2).collect();
+    assert_eq!(got.matches("\n\n").count(), 2, "{got}");
+    assert_eq!(
+        got.replace("msg_sim0000000000000002", "msg_sim0000000000000001"),
+        want,
+        "the events before the reset"
+    );
+    // Stall after one event: the event comes, then silence; leaving counts.
+    let resp = within(20, open("stall-after=1")).await.unwrap();
+    let mut body = resp.into_body();
+    let first = within(20, body.frame()).await.unwrap().unwrap();
+    assert!(first.is_data());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), body.frame())
+            .await
+            .is_err(),
+        "silence after the first event"
+    );
+    assert_eq!(s.abandoned.count(), 0);
+    drop(body);
+    within(10, s.abandoned.reach(1)).await;
+    // Hang: no headers at all; the client giving up counts.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), open("hang"))
+            .await
+            .is_err()
+    );
+    within(10, s.abandoned.reach(2)).await;
+    // Pace: the whole stream, each event after the pause.
+    let t = std::time::Instant::now();
+    let paced = post_with(
+        s.addr,
+        "/v1/messages",
+        &req,
+        &[(tidemark::sim::X_SIM_FAULT, "pace=40")],
+    )
+    .await;
+    assert!(t.elapsed() >= Duration::from_millis(40 * (events as u64 - 1)));
+    assert_eq!(paced.sim_count(), whole.sim_count());
+    assert_eq!(paced.text().matches("\n\n").count(), events);
+    // The next request without the header is whole.
+    let next = post(s.addr, "/v1/messages", &req, false).await;
+    assert_eq!(next.text().matches("\n\n").count(), events);
 }
 
 // ---------------------------------------------------------------------------

@@ -15,8 +15,8 @@
 //! parts and body (about 2.7 KB) per request showed as +13 MiB per half when
 //! the test upstream itself kept every request, so it is caught.
 
-mod faulty;
 mod support;
+use support::faults;
 
 /// The allocator the binary ships with (src/main.rs), so the RSS bounds hold
 /// for it.
@@ -336,8 +336,8 @@ async fn ten_thousand_mixed_requests_with_disconnects_and_resets() {
     let fx = Arc::new(fixtures());
     assert!(fx.len() >= 20, "fixtures of all five APIs");
     let up_fx = Arc::clone(&fx);
-    let up = faulty::start_with(
-        faulty::handler(move |req| {
+    let up = faults::start_with(
+        faults::handler(move |req| {
             let which: usize = req
                 .headers()
                 .get("x-fixture")
@@ -356,12 +356,12 @@ async fn ten_thousand_mixed_requests_with_disconnects_and_resets() {
             let body = if req.headers().contains_key("x-test-reset") {
                 let keep = rng.below(chunks.len() as u64) as usize;
                 if rng.below(2) == 0 {
-                    faulty::then_reset_flushed(chunks[..keep].to_vec())
+                    faults::then_reset_flushed(chunks[..keep].to_vec())
                 } else {
-                    faulty::then_reset(chunks[..keep].to_vec())
+                    faults::then_reset(chunks[..keep].to_vec())
                 }
             } else {
-                faulty::chunks(chunks)
+                faults::chunks(chunks)
             };
             Response::builder()
                 .status(200)

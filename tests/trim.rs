@@ -3,12 +3,12 @@
 //! head and newest message kept byte for byte, order kept, and a sticky cut
 //! that keeps consecutive requests' forwarded prefix byte-identical.
 
-mod trim_support;
+mod support;
 
 use serde_json::Value;
+use support::trim::*;
 use tidemark::policy::trim::{trim, trim_sticky, Trimmed};
 use tidemark::provider::Api;
-use trim_support::*;
 
 fn run(api: Api, body: &[u8], need: u64) -> Option<Trimmed> {
     trim(api, body, &count, need, None)

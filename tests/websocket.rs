@@ -4,7 +4,6 @@
 //! shutdown, and the socket gauge.
 
 mod support;
-mod trim_support;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -935,9 +934,9 @@ async fn trim_forwards_a_smaller_event() {
     )
     .await;
     let mut ws = responses_client(&proxy, &[("x-session-id", "ws-trim")]).await;
-    let script = trim_support::agent_script(12, 2, 600);
+    let script = support::trim::agent_script(12, 2, 600);
     let mut event: Value =
-        serde_json::from_slice(&trim_support::render(Api::OpenAiResponses, &script, false))
+        serde_json::from_slice(&support::trim::render(Api::OpenAiResponses, &script, false))
             .unwrap();
     event.as_object_mut().unwrap().remove("stream");
     event["type"] = json!("response.create");

@@ -337,7 +337,7 @@ fn clear_thinking(body: &mut Value, keep: usize) -> u64 {
 // ---------------------------------------------------------------------------
 
 pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
-    let cfg = &call.sim.cfg;
+    let cfg = &*call.cfg;
     let c = call.counting(SimApi::Anthropic);
     let managed = manage(body, c);
     let seen = managed.as_ref().map_or(body, |(b, _)| b);
@@ -376,7 +376,7 @@ pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
         vec![msg.body()]
     };
     let ct = if stream { http::SSE } else { http::JSON };
-    (http::stream_response(cfg, events, ct, call.gzip), total)
+    (http::stream_response(call, events, ct, call.gzip), total)
 }
 
 /// `POST /messages/count_tokens`: `{"input_tokens": N}`, edits applied.

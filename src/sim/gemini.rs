@@ -229,7 +229,7 @@ impl Usage {
 }
 
 pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
-    let cfg = &call.sim.cfg;
+    let cfg = &*call.cfg;
     let prompt = count(body, call.counting(SimApi::Gemini));
     let total = prompt.total();
     if let Some(st) = cfg.fail_status {
@@ -310,13 +310,13 @@ pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
         if let Reply::Text(t) = &reply {
             whole["candidates"][0]["content"]["parts"] = json!([{ "text": t }]);
         }
-        http::stream_response(cfg, vec![google_json(&whole)], http::JSON, call.gzip)
+        http::stream_response(call, vec![google_json(&whole)], http::JSON, call.gzip)
     } else if sse {
         let events = chunks
             .iter()
             .map(|c| format!("data: {}\r\n\r\n", google_json(c)))
             .collect();
-        http::stream_response(cfg, events, http::SSE, call.gzip)
+        http::stream_response(call, events, http::SSE, call.gzip)
     } else {
         // Without alt=sse: a JSON array, streamed element by element.
         let n = chunks.len();
@@ -329,7 +329,7 @@ pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
                 format!("{open}{}{close}", google_json(c))
             })
             .collect();
-        http::stream_response(cfg, events, http::JSON, call.gzip)
+        http::stream_response(call, events, http::JSON, call.gzip)
     };
     (resp, total)
 }

@@ -12,7 +12,7 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use serde_json::Value;
 
-use super::{SimConfig, X_SIM_PROMPT_TOKENS};
+use super::{Call, X_SIM_PROMPT_TOKENS};
 
 pub type SimBody = BoxBody<Bytes, std::io::Error>;
 
@@ -60,27 +60,45 @@ pub fn with_count(mut r: Response<SimBody>, n: u64) -> Response<SimBody> {
 }
 
 /// Send `events` as separate body frames, paced, optionally gzipped (each
-/// event flushed so the stream stays a stream), optionally cut short.
+/// event flushed so the stream stays a stream), optionally cut short or
+/// stalled (the request's faults laid over the sim's settings).
 pub fn stream_response(
-    cfg: &SimConfig,
+    call: &Call<'_>,
     events: Vec<String>,
     content_type: &'static str,
     gzip: bool,
 ) -> Response<SimBody> {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(8);
-    let delay = cfg.chunk_delay;
-    let abort = cfg.abort_after_events;
+    let delay = call.cfg.chunk_delay;
+    let abort = call.cfg.abort_after_events;
+    // A stream that will be cut holds one event at a time, so the sim knows
+    // when the last event before the cut has been taken.
+    let depth = if abort.is_some() { 1 } else { 8 };
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(depth);
+    let stall = call.cfg.stall_after_events;
+    let abandoned = call.sim.abandoned.clone();
     tokio::spawn(async move {
         let mut gz =
             gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
         for (i, e) in events.iter().enumerate() {
             if abort.is_some_and(|a| i >= a) {
-                let _ = tx
-                    .send(Err(std::io::Error::new(
-                        std::io::ErrorKind::ConnectionReset,
-                        "sim: stream aborted",
-                    )))
-                    .await;
+                // The events before the cut go out first: once the last one
+                // is taken, give the server a few turns to write it, as a
+                // provider's bytes are on the wire before its connection dies.
+                let Ok(permit) = tx.reserve().await else {
+                    return;
+                };
+                for _ in 0..8 {
+                    tokio::task::yield_now().await;
+                }
+                permit.send(Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "sim: stream aborted",
+                )));
+                return;
+            }
+            if stall.is_some_and(|s| i >= s) {
+                let _left = abandoned.on_drop();
+                tx.closed().await;
                 return;
             }
             if i > 0 && !delay.is_zero() {

@@ -12,6 +12,7 @@
 //! `x-sim-prompt-tokens`, errors included. One file per API holds what the
 //! sim knows of it.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -31,6 +32,7 @@ use tokio::net::TcpListener;
 
 mod anthropic;
 mod cache;
+mod fault;
 mod gemini;
 mod http;
 mod ollama;
@@ -46,6 +48,7 @@ pub use crate::config::Flavour;
 use crate::config::SimArgs;
 pub use crate::provider::Api as SimApi;
 pub use cache::{Accounting, CacheEvent, CacheStats};
+pub use fault::{Abandoned, X_SIM_FAULT};
 pub use tokens::{counting, Counting, CountingMode, SimEncoding, COUNTING};
 
 use self::http::Resp;
@@ -91,6 +94,8 @@ pub struct SimConfig {
     pub gzip: bool,
     /// Cut the stream (connection reset) after this many events.
     pub abort_after_events: Option<usize>,
+    /// Fall silent after this many events, until the client leaves.
+    pub stall_after_events: Option<usize>,
     /// Which column of [`COUNTING`] to count with.
     pub counting: CountingMode,
     /// Which server the OpenAI chat path imitates.
@@ -141,6 +146,7 @@ impl Default for SimConfig {
             chunk_delay: Duration::ZERO,
             gzip: false,
             abort_after_events: None,
+            stall_after_events: None,
             counting: CountingMode::default(),
             flavour: Flavour::OpenAi,
             tool_calls: ToolCalls::Always,
@@ -203,6 +209,7 @@ pub(crate) struct Sim {
     /// Responses kept for `previous_response_id`.
     stored: Mutex<HashMap<String, responses::Stored>>,
     recorder: Option<record::Recorder>,
+    abandoned: Abandoned,
 }
 
 impl Sim {
@@ -222,6 +229,8 @@ impl Sim {
 /// One request being answered.
 pub(crate) struct Call<'a> {
     sim: &'a Sim,
+    /// The sim's settings with this request's `x-sim-fault` laid over them.
+    cfg: Cow<'a, SimConfig>,
     path: &'a str,
     query: Option<&'a str>,
     credential: String,
@@ -236,6 +245,7 @@ impl<'a> Call<'a> {
     fn new(sim: &'a Sim, path: &'a str, credential: String, n: u64) -> Self {
         Call {
             sim,
+            cfg: Cow::Borrowed(&sim.cfg),
             path,
             query: None,
             credential,
@@ -324,6 +334,7 @@ impl Simulator {
                 cache: Arc::new(PrefixCache::default()),
                 stored: Mutex::new(HashMap::new()),
                 recorder,
+                abandoned: Abandoned::default(),
             }),
         }
     }
@@ -331,6 +342,12 @@ impl Simulator {
     /// A read-only handle on the prompt cache's accounting.
     pub fn accounting(&self) -> Accounting {
         Accounting(Arc::clone(&self.sim.cache))
+    }
+
+    /// A handle on the count of requests whose client left while the sim
+    /// was hanging or stalling them (`x-sim-fault`).
+    pub fn abandoned(&self) -> Abandoned {
+        self.sim.abandoned.clone()
     }
 
     /// Serve on `listener` until `shutdown` resolves.
@@ -495,6 +512,16 @@ fn bad_json(r: Route) -> Value {
 }
 
 async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Resp {
+    let fault = req
+        .headers()
+        .get(X_SIM_FAULT)
+        .and_then(|v| v.to_str().ok())
+        .map(fault::Fault::parse)
+        .unwrap_or_default();
+    if fault.hang {
+        let _left = sim.abandoned.on_drop();
+        std::future::pending::<()>().await;
+    }
     if ws::is_upgrade(&req) {
         if !sim.cfg.websocket {
             return ws::refuse();
@@ -553,6 +580,9 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Resp {
         gzip,
         ..Call::new(&sim, &path, cred, n)
     };
+    if fault.shapes_stream() {
+        call.cfg = Cow::Owned(fault.over(&sim.cfg));
+    }
     if parts
         .headers
         .get(X_SIM_OMIT_USAGE)

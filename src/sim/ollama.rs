@@ -93,7 +93,7 @@ fn created_at(n: u64, step: u64) -> String {
 }
 
 pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
-    let cfg = &call.sim.cfg;
+    let cfg = &*call.cfg;
     let prompt = count(body, call.counting(SimApi::Ollama));
     let mut total = prompt.total();
     if let Some(st) = cfg.fail_status {
@@ -156,7 +156,7 @@ pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
         vec![done.to_string()]
     };
     let ct = if stream { http::NDJSON } else { http::JSON };
-    (http::stream_response(cfg, events, ct, call.gzip), total)
+    (http::stream_response(call, events, ct, call.gzip), total)
 }
 
 /// `GET /api/tags`.

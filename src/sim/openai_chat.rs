@@ -188,7 +188,7 @@ pub(super) fn over_window(
 }
 
 pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
-    let cfg = &call.sim.cfg;
+    let cfg = &*call.cfg;
     let prompt = count(body, call.counting(SimApi::OpenAiChat));
     let mut total = prompt.total();
     if let Some(st) = cfg.fail_status {
@@ -230,7 +230,7 @@ pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, u64) {
         vec![body_json(&model, call.n, &reply, &usage, call.with_usage)]
     };
     let ct = if stream { http::SSE } else { http::JSON };
-    (http::stream_response(cfg, events, ct, call.gzip), total)
+    (http::stream_response(call, events, ct, call.gzip), total)
 }
 
 struct Usage {

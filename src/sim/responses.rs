@@ -294,7 +294,7 @@ pub(super) fn run(
     body: &Value,
     local: Option<&Local>,
 ) -> Result<Run, (Refusal, Option<u64>)> {
-    let cfg = &call.sim.cfg;
+    let cfg = &*call.cfg;
     let c = call.counting(SimApi::OpenAiResponses);
     let mut items = Vec::new();
     if let Some(prev) = body.get("previous_response_id").and_then(Value::as_str) {
@@ -555,7 +555,6 @@ pub(super) fn sse(events: &[Value]) -> Vec<String> {
 }
 
 pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, Option<u64>) {
-    let cfg = &call.sim.cfg;
     let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
     match run(call, body, None) {
         Ok(r) => {
@@ -563,16 +562,16 @@ pub(super) fn complete(call: &Call<'_>, body: &Value) -> (http::Resp, Option<u64
                 call.sim.store(&r.id, r.stored.clone());
             }
             let resp = if stream {
-                http::stream_response(cfg, sse(&r.events), http::SSE, call.gzip)
+                http::stream_response(call, sse(&r.events), http::SSE, call.gzip)
             } else {
-                http::stream_response(cfg, vec![r.response.to_string()], http::JSON, call.gzip)
+                http::stream_response(call, vec![r.response.to_string()], http::JSON, call.gzip)
             };
             (resp, Some(r.prompt))
         }
         Err((Refusal::Http(st, b), n)) => (http::json(st, &b), n),
         Err((Refusal::Failed(e), n)) => {
             let resp = if stream {
-                http::stream_response(cfg, sse(&failed_events(call, body, e)), http::SSE, false)
+                http::stream_response(call, sse(&failed_events(call, body, e)), http::SSE, false)
             } else {
                 http::json(
                     400,

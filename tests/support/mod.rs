@@ -1,22 +1,33 @@
 //! Test support: start the real proxy and a real upstream on 127.0.0.1:0 and
 //! talk HTTP to them. No sleeps: every wait is bounded by `within`.
+//!
+//! Submodules, each shared by the test files that need it:
+//! - `faults`: an upstream whose bodies reset, stall or never come;
+//! - `mixed`: mixed-content agent sessions through the proxy in front of the
+//!   simulator (also `examples/drift.rs`, by path);
+//! - `redis`: a real `redis-server` on a free port;
+//! - `trim`: conversations for the trimmer and their per-API validators.
 #![allow(dead_code)]
+
+pub mod faults;
+pub mod mixed;
+pub mod redis;
+pub mod trim;
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
-use hyper::service::service_fn;
+use hyper::body::Frame;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
@@ -57,98 +68,51 @@ pub fn chunked(chunks: Vec<Bytes>) -> Body {
     StreamBody::new(s).boxed_unsync()
 }
 
-/// What the upstream saw.
-#[derive(Clone, Default)]
-pub struct Seen {
-    pub requests: Arc<Mutex<Vec<(http::request::Parts, Bytes)>>>,
-}
-
-impl Seen {
-    pub fn count(&self) -> usize {
-        self.requests.lock().unwrap().len()
-    }
-    pub fn last(&self) -> (http::request::Parts, Bytes) {
-        self.requests
-            .lock()
-            .unwrap()
-            .last()
-            .cloned()
-            .expect("upstream saw a request")
-    }
-}
-
-pub struct Upstream {
-    pub addr: SocketAddr,
-    pub seen: Seen,
-    _stop: oneshot::Sender<()>,
-}
-
-impl Upstream {
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
+/// A hand-written test upstream: the `faults` server, answering with a
+/// handler whose bodies cannot fail.
+pub type Upstream = faults::Faulty;
 
 /// Start a test upstream (HTTP/1.1 and h2c) that answers with `handler`.
 pub async fn upstream(handler: Handler) -> Upstream {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let seen = Seen::default();
-    let (stop, mut stopped) = oneshot::channel::<()>();
-    let s2 = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let (stream, _) = tokio::select! {
-                r = listener.accept() => match r { Ok(s) => s, Err(_) => continue },
-                _ = &mut stopped => break,
-            };
-            let h = Arc::clone(&handler);
-            let seen = s2.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let h = Arc::clone(&h);
-                    let seen = seen.clone();
-                    async move {
-                        let (parts, body) = req.into_parts();
-                        let bytes = body
-                            .collect()
-                            .await
-                            .map(|c| c.to_bytes())
-                            .unwrap_or_default();
-                        seen.requests
-                            .lock()
-                            .unwrap()
-                            .push((parts.clone(), bytes.clone()));
-                        Ok::<_, Infallible>(h(Request::from_parts(parts, bytes)).await)
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    Upstream {
-        addr,
-        seen,
-        _stop: stop,
-    }
+    faults::start(Arc::new(move |req| {
+        let h = Arc::clone(&handler);
+        Box::pin(async move {
+            h(req)
+                .await
+                .map(|b| b.map_err(|never| match never {}).boxed_unsync())
+        })
+    }))
+    .await
 }
 
-/// The simulated provider (`tidemark::sim`) on a free port, stopped on drop.
+/// The simulated provider (`tidemark::sim`) on a free port, stopped on
+/// drop: the one upstream every test plays its provider with, with its
+/// cache accounting and its count of requests abandoned mid-fault
+/// (`x-sim-fault`).
 pub struct Sim {
     pub url: String,
+    pub addr: SocketAddr,
+    pub acct: tidemark::sim::Accounting,
+    pub abandoned: tidemark::sim::Abandoned,
     _stop: oneshot::Sender<()>,
 }
 
 pub async fn sim(cfg: tidemark::sim::SimConfig) -> Sim {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
+    let addr = l.local_addr().unwrap();
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(tidemark::sim::serve(l, cfg, async move {
+    let s = tidemark::sim::Simulator::new(cfg);
+    let (acct, abandoned) = (s.accounting(), s.abandoned());
+    tokio::spawn(s.serve(l, async move {
         let _ = rx.await;
     }));
-    Sim { url, _stop: tx }
+    Sim {
+        url: format!("http://{addr}"),
+        addr,
+        acct,
+        abandoned,
+        _stop: tx,
+    }
 }
 
 /// A handler from a plain closure returning a response.

@@ -1,6 +1,6 @@
 //! A test upstream that can misbehave: its response bodies may fail midway
 //! (the proxy sees a reset), stall, or never come. Shared by the fault and
-//! soak tests; the well-behaved upstream lives in `support`.
+//! soak tests, and under `support::upstream` (whose bodies never fail).
 #![allow(dead_code)]
 
 use std::convert::Infallible;
@@ -112,6 +112,9 @@ pub struct Seen {
 impl Seen {
     pub fn count(&self) -> usize {
         self.requests.lock().map(|r| r.len()).unwrap_or(0)
+    }
+    pub fn last(&self) -> (http::request::Parts, Bytes) {
+        self.all().pop().expect("upstream saw a request")
     }
     pub fn all(&self) -> Vec<(http::request::Parts, Bytes)> {
         self.requests.lock().map(|r| r.clone()).unwrap_or_default()
