@@ -6,7 +6,7 @@ use bytes::BytesMut;
 use memchr::memmem;
 
 use super::sse::MAX_EVENT_BYTES;
-use crate::json::RequestView;
+use crate::json::{skip_ws, RequestView};
 use crate::provider::{CHOICES, USAGE};
 
 /// The request body with `stream_options.include_usage: true` set by a
@@ -205,13 +205,6 @@ fn emit(ev: &[u8], out: &mut BytesMut) {
         }
     }
     out.extend_from_slice(ev);
-}
-
-fn skip_ws(s: &[u8], mut i: usize) -> usize {
-    while i < s.len() && matches!(s[i], b' ' | b'\t' | b'\r' | b'\n') {
-        i += 1;
-    }
-    i
 }
 
 /// `"choices":[]`, whitespace allowed.
