@@ -5,7 +5,7 @@
 //! tokens and measured several times faster than `tiktoken-rs` on the same
 //! text (`cargo run --release --example estimate_bench` prints both).
 
-use crate::provider::Api;
+use crate::provider::{Api, Vocabulary};
 
 /// A public tokenizer vocabulary.
 ///
@@ -25,14 +25,20 @@ pub enum Encoding {
     Cl100kBase,
 }
 
+impl From<Vocabulary> for Encoding {
+    fn from(v: Vocabulary) -> Encoding {
+        match v {
+            Vocabulary::O200kBase => Encoding::O200kBase,
+            Vocabulary::Cl100kBase => Encoding::Cl100kBase,
+        }
+    }
+}
+
 impl Encoding {
     /// The vocabulary for a model (`None`: the API's usual family).
     pub fn for_model(api: Api, model: Option<&str>) -> Encoding {
         let Some(model) = model else {
-            return match api {
-                Api::OpenAiChat | Api::OpenAiResponses | Api::Gemini => Encoding::O200kBase,
-                Api::Anthropic | Api::Ollama => Encoding::Cl100kBase,
-            };
+            return api.provider().default_vocabulary().into();
         };
         // Router prefixes such as `openai/gpt-4o` or `models/gemini-2.5-pro`.
         crate::provider::with_base_name(model, |m| Encoding::for_base_name(api, m))
@@ -62,11 +68,7 @@ impl Encoding {
         if cl100k.iter().any(|p| m.starts_with(p)) {
             return Encoding::Cl100kBase;
         }
-        match api {
-            Api::OpenAiChat | Api::OpenAiResponses => Encoding::O200kBase,
-            Api::Gemini => Encoding::O200kBase,
-            Api::Anthropic | Api::Ollama => Encoding::Cl100kBase,
-        }
+        api.provider().default_vocabulary().into()
     }
 
     pub const fn name(self) -> &'static str {

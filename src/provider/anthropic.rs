@@ -11,7 +11,7 @@ use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, number_after, session_budget_message,
     Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed, Part, PromptCache,
-    Provider, ERROR, USAGE,
+    Provider, Vocabulary, ERROR, USAGE,
 };
 use super::{Element, Unit};
 use crate::json::{Obj, RequestView};
@@ -55,6 +55,10 @@ impl Provider for Anthropic {
     }
     fn image_pricing(&self) -> ImagePricing {
         ImagePricing::Anthropic
+    }
+    /// Claude's tokenizer is not public and counts more than o200k on the same text, closer to cl100k.
+    fn default_vocabulary(&self) -> Vocabulary {
+        Vocabulary::Cl100kBase
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")

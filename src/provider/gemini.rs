@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::ImagePricing;
 use super::{
     count, field, has_member, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
-    Part, PromptCache, Provider, Usage, ERROR, USAGE_METADATA,
+    Part, PromptCache, Provider, Usage, Vocabulary, ERROR, USAGE_METADATA,
 };
 use super::{Element, Unit};
 use crate::json::{Obj, RequestView};
@@ -54,6 +54,10 @@ impl Provider for Gemini {
     }
     fn image_pricing(&self) -> ImagePricing {
         ImagePricing::Gemini
+    }
+    /// A 256k SentencePiece vocabulary: o200k's large multilingual vocabulary is the nearer density, CJK in particular.
+    fn default_vocabulary(&self) -> Vocabulary {
+        Vocabulary::O200kBase
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         let cfg: Value = req.get("generationConfig")?;

@@ -166,6 +166,13 @@ pub enum ImagePricing {
     Flat,
 }
 
+/// A public tokenizer vocabulary (the estimator's `Encoding` counts with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vocabulary {
+    O200kBase,
+    Cl100kBase,
+}
+
 /// What a counted field is to a conversation's identity (the fingerprint
 /// and the lane): its system prompt, its history, or neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -379,6 +386,10 @@ pub trait Provider: Send + Sync + 'static {
 
     /// How the API prices an image in a prompt.
     fn image_pricing(&self) -> ImagePricing;
+
+    /// The vocabulary that stands in for the API's tokenizer when the model
+    /// name does not say which family it is (or there is none).
+    fn default_vocabulary(&self) -> Vocabulary;
 
     /// Tokens the provider's template adds to every request to open the
     /// model's reply (the estimator's framing, `estimate/walk.rs`).

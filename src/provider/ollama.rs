@@ -7,7 +7,7 @@ use serde_json::Value;
 use super::ImagePricing;
 use super::{
     count, field, has_member, truthy, Api, CountedField, ErrorShape, Framing, GenAi, Node,
-    Observed, Part, PromptCache, Provider, Usage, ERROR, EVAL_COUNT,
+    Observed, Part, PromptCache, Provider, Usage, Vocabulary, ERROR, EVAL_COUNT,
 };
 use super::{Element, Unit};
 use crate::json::RequestView;
@@ -49,6 +49,10 @@ impl Provider for Ollama {
     /// The Llama 3 template opens the reply with 5.
     fn image_pricing(&self) -> ImagePricing {
         ImagePricing::Flat
+    }
+    /// Llama 3 is cl100k plus 28k tokens; Qwen, Mistral, DeepSeek and unknown local models are nearest it too.
+    fn default_vocabulary(&self) -> Vocabulary {
+        Vocabulary::Cl100kBase
     }
     fn reply_framing(&self) -> u64 {
         5

@@ -7,7 +7,7 @@ use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, last_valued, number_after,
     openai_error_body, truthy, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
-    Part, PromptCache, Provider, Usage, ERROR, USAGE,
+    Part, PromptCache, Provider, Usage, Vocabulary, ERROR, USAGE,
 };
 use super::{Element, Unit};
 use crate::json::RequestView;
@@ -50,6 +50,10 @@ impl Provider for OpenAiChat {
     }
     fn image_pricing(&self) -> ImagePricing {
         ImagePricing::OpenAi
+    }
+    /// Every current OpenAI model.
+    fn default_vocabulary(&self) -> Vocabulary {
+        Vocabulary::O200kBase
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_completion_tokens")

@@ -10,8 +10,8 @@ use serde_json::Value;
 use super::ImagePricing;
 use super::{
     count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape,
-    GenAi, Node, Observed, OpenAiChat, Part, PromptCache, Provider, Usage, ERROR, RESPONSE_CREATED,
-    USAGE,
+    GenAi, Node, Observed, OpenAiChat, Part, PromptCache, Provider, Usage, Vocabulary, ERROR,
+    RESPONSE_CREATED, USAGE,
 };
 use super::{Element, Unit};
 use crate::json::{Obj, RequestView};
@@ -65,6 +65,10 @@ impl Provider for OpenAiResponses {
     }
     fn image_pricing(&self) -> ImagePricing {
         ImagePricing::OpenAi
+    }
+    /// Every current OpenAI model.
+    fn default_vocabulary(&self) -> Vocabulary {
+        Vocabulary::O200kBase
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_output_tokens")
