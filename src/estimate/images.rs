@@ -25,12 +25,7 @@ pub struct Size {
     pub h: u32,
 }
 
-/// OpenAI image detail.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Detail {
-    Low,
-    High,
-}
+pub use crate::provider::Detail;
 
 /// OpenAI's per-model image costs: (base, per 512px tile) for the tile
 /// models, or a multiplier for the 32px-patch models (gpt-4.1-mini/nano,

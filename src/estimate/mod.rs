@@ -10,9 +10,9 @@
 
 mod cache;
 pub mod classes;
+mod count;
 pub mod images;
 pub mod tokenizer;
-mod walk;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -24,8 +24,8 @@ pub use crate::provider::Unit;
 use crate::provider::{Api, ImagePricing, Provider};
 use cache::{Cache, Counted};
 pub use classes::{Class, Classes, CLASSES};
+use count::Ctx;
 pub use tokenizer::Encoding;
-use walk::*;
 
 /// A request's local estimate.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -368,7 +368,7 @@ impl Estimator {
             chars: 0,
             tokenized: 0,
         };
-        walk::count(&mut cx, unit, raw);
+        api.provider().walk(unit, raw, &mut cx);
         self.tokenized.fetch_add(cx.tokenized, Ordering::Relaxed);
         let c = Counted::new(&cx.classes, cx.chars);
         self.cache.put(key, c);

@@ -7,6 +7,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::walk::{type_of, Count};
 use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, number_after, session_budget_message,
@@ -14,6 +15,7 @@ use super::{
     Provider, Vocabulary, ERROR, USAGE,
 };
 use super::{Element, Unit};
+use crate::json::text::{self as json, get, kind};
 use crate::json::{Obj, RequestView};
 
 pub struct Anthropic;
@@ -59,6 +61,36 @@ impl Provider for Anthropic {
     /// Claude's tokenizer is not public and counts more than o200k on the same text, closer to cl100k.
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::Cl100kBase
+    }
+    fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
+        match unit {
+            Unit::AnthSystem => {
+                cx.framing(PER_MESSAGE);
+                content(cx, raw, 0);
+            }
+            Unit::AnthMessage => {
+                cx.framing(PER_MESSAGE);
+                match json::object(raw) {
+                    Some(obj) => {
+                        cx.role_field(&obj, "role");
+                        if let Some(c) = get(&obj, "content") {
+                            content(cx, c.get(), 0);
+                        }
+                    }
+                    None => cx.generic(raw),
+                }
+            }
+            Unit::AnthTool => {
+                let obj = json::object(raw).unwrap_or_default();
+                if get(&obj, "input_schema").is_some() {
+                    cx.definition(&obj, &["name", "description", "input_schema"]);
+                } else {
+                    // Server tools (web search, code execution): their name and settings.
+                    cx.json(raw);
+                }
+            }
+            _ => {}
+        }
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_tokens")
@@ -289,6 +321,79 @@ pub(crate) fn session_of_user_id(user_id: &str) -> Option<&str> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
     well_formed.then_some(id)
+}
+
+// ---- the message walk ----------------------------------------------------
+
+/// A chat template's role header and end marker (`provider/walk.rs`).
+const PER_MESSAGE: u64 = 3;
+const PER_TOOL_USE: u64 = 3;
+
+/// A string, or content blocks (also the `content` of a `tool_result`).
+fn content(cx: &mut dyn Count, raw: &str, depth: u32) {
+    match kind(raw) {
+        b'"' => {
+            if let Some(s) = json::string(raw) {
+                cx.text(&s);
+            }
+        }
+        b'[' if depth < 8 => {
+            for b in json::array(raw).unwrap_or_default() {
+                block(cx, b.get(), depth);
+            }
+        }
+        b'n' => {}
+        _ => cx.generic(raw),
+    }
+}
+
+fn block(cx: &mut dyn Count, raw: &str, depth: u32) {
+    let Some(obj) = json::object(raw) else {
+        cx.generic(raw);
+        return;
+    };
+    match type_of(&obj).as_deref() {
+        Some("text") => cx.str_field(&obj, "text"),
+        Some("thinking") => cx.str_field(&obj, "thinking"),
+        Some("redacted_thinking") => {}
+        Some("image") => {
+            let src = get(&obj, "source")
+                .and_then(|s| json::object(s.get()))
+                .unwrap_or_default();
+            let data = get(&src, "data").and_then(|d| json::string(d.get()));
+            cx.image_data(data.as_deref());
+        }
+        Some("document") => {
+            let src = get(&obj, "source")
+                .and_then(|s| json::object(s.get()))
+                .unwrap_or_default();
+            match type_of(&src).as_deref() {
+                Some("text") => cx.str_field(&src, "data"),
+                Some("content") => {
+                    if let Some(c) = get(&src, "content") {
+                        content(cx, c.get(), depth + 1);
+                    }
+                }
+                _ => cx.document(),
+            }
+            cx.str_field(&obj, "title");
+            cx.str_field(&obj, "context");
+        }
+        Some("tool_use" | "server_tool_use") => {
+            cx.framing(PER_TOOL_USE);
+            cx.str_field(&obj, "name");
+            if let Some(i) = get(&obj, "input") {
+                cx.value(i.get());
+            }
+        }
+        Some("tool_result") => {
+            cx.framing(PER_TOOL_USE);
+            if let Some(c) = get(&obj, "content") {
+                content(cx, c.get(), depth + 1);
+            }
+        }
+        _ => cx.generic(raw),
+    }
 }
 
 #[cfg(test)]

@@ -5,12 +5,14 @@ use std::ops::Range;
 
 use serde_json::Value;
 
+use super::walk::Count;
 use super::ImagePricing;
 use super::{
     count, field, has_member, Api, ContextError, CountedField, ErrorShape, GenAi, Node, Observed,
     Part, PromptCache, Provider, Usage, Vocabulary, ERROR, USAGE_METADATA,
 };
 use super::{Element, Unit};
+use crate::json::text::{self as json, get, kind};
 use crate::json::{Obj, RequestView};
 
 pub struct Gemini;
@@ -58,6 +60,30 @@ impl Provider for Gemini {
     /// A 256k SentencePiece vocabulary: o200k's large multilingual vocabulary is the nearer density, CJK in particular.
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::O200kBase
+    }
+    fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
+        match unit {
+            Unit::GemSystem | Unit::GemContent => {
+                cx.framing(PER_CONTENT);
+                content(cx, raw);
+            }
+            Unit::GemTool => {
+                let obj = json::object(raw).unwrap_or_default();
+                let decls = get(&obj, "functionDeclarations")
+                    .or_else(|| get(&obj, "function_declarations"))
+                    .and_then(|d| json::array(d.get()));
+                match decls {
+                    Some(decls) => {
+                        for d in decls {
+                            let d = json::object(d.get()).unwrap_or_default();
+                            cx.definition(&d, DECLARATION);
+                        }
+                    }
+                    None => cx.json(raw),
+                }
+            }
+            _ => {}
+        }
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         let cfg: Value = req.get("generationConfig")?;
@@ -224,6 +250,92 @@ impl Provider for Gemini {
     fn gap_marker(&self, dropped: usize) -> Option<Vec<u8>> {
         let v = serde_json::json!({"role": "model", "parts": [{"text": super::gap_text(dropped)}]});
         serde_json::to_vec(&v).ok()
+    }
+}
+
+// ---- the message walk ----------------------------------------------------
+
+/// A chat template's role header and end marker (`provider/walk.rs`).
+const PER_CONTENT: u64 = 3;
+const PER_CALL: u64 = 3;
+
+/// The members of a function declaration the model reads, in order.
+const DECLARATION: &[&str] = &[
+    "name",
+    "description",
+    "parameters",
+    "parametersJsonSchema",
+    "parameters_json_schema",
+    "response",
+];
+
+/// A `Content` (`{role, parts}`); also accepts a bare string or part list.
+fn content(cx: &mut dyn Count, raw: &str) {
+    match kind(raw) {
+        b'{' => {
+            let obj = json::object(raw).unwrap_or_default();
+            cx.role_field(&obj, "role");
+            match get(&obj, "parts") {
+                Some(ps) => parts(cx, ps.get()),
+                None => part(cx, raw),
+            }
+        }
+        b'[' => parts(cx, raw),
+        _ => cx.generic(raw),
+    }
+}
+
+fn parts(cx: &mut dyn Count, raw: &str) {
+    match json::array(raw) {
+        Some(ps) => {
+            for p in ps {
+                part(cx, p.get());
+            }
+        }
+        None => part(cx, raw),
+    }
+}
+
+fn part(cx: &mut dyn Count, raw: &str) {
+    let Some(obj) = json::object(raw) else {
+        cx.generic(raw);
+        return;
+    };
+    let pick = |a: &str, b: &str| get(&obj, a).or_else(|| get(&obj, b));
+    if let Some(t) = get(&obj, "text") {
+        cx.value(t.get());
+    } else if let Some(d) = pick("inlineData", "inline_data") {
+        let d = json::object(d.get()).unwrap_or_default();
+        let mime = get(&d, "mimeType")
+            .or_else(|| get(&d, "mime_type"))
+            .and_then(|m| json::string(m.get()));
+        // Only an image's header says its size; other media at the default.
+        let data = if mime.as_deref().is_some_and(|m| m.starts_with("image/")) {
+            get(&d, "data").and_then(|x| json::string(x.get()))
+        } else {
+            None
+        };
+        cx.image_data(data.as_deref());
+    } else if pick("fileData", "file_data").is_some() {
+        cx.image_data(None);
+    } else if let Some(f) = pick("functionCall", "function_call") {
+        let f = json::object(f.get()).unwrap_or_default();
+        cx.function_call(&f, PER_CALL);
+    } else if let Some(f) = pick("functionResponse", "function_response") {
+        let f = json::object(f.get()).unwrap_or_default();
+        cx.framing(PER_CALL);
+        cx.str_field(&f, "name");
+        if let Some(r) = get(&f, "response") {
+            cx.value(r.get());
+        }
+    } else if let Some(c) = pick("executableCode", "executable_code") {
+        let c = json::object(c.get()).unwrap_or_default();
+        cx.str_field(&c, "code");
+    } else if let Some(c) = pick("codeExecutionResult", "code_execution_result") {
+        let c = json::object(c.get()).unwrap_or_default();
+        cx.str_field(&c, "output");
+    } else {
+        cx.generic(raw);
     }
 }
 

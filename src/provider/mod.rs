@@ -16,12 +16,14 @@ mod gemini;
 mod ollama;
 mod openai_chat;
 mod openai_responses;
+mod walk;
 
 pub use anthropic::Anthropic;
 pub use gemini::Gemini;
 pub use ollama::Ollama;
 pub use openai_chat::OpenAiChat;
 pub use openai_responses::{websocket as responses_websocket, OpenAiResponses};
+pub use walk::{Count, Detail};
 
 /// The APIs tidemark understands. The string form is the `api` metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -387,12 +389,17 @@ pub trait Provider: Send + Sync + 'static {
     /// How the API prices an image in a prompt.
     fn image_pricing(&self) -> ImagePricing;
 
+    /// Walk one unit of this API's request (a message, a system prompt, a
+    /// tool definition; framing included), reporting what the model sees to
+    /// `cx` (`provider/walk.rs`). Units of other APIs are not this walk's.
+    fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count);
+
     /// The vocabulary that stands in for the API's tokenizer when the model
     /// name does not say which family it is (or there is none).
     fn default_vocabulary(&self) -> Vocabulary;
 
     /// Tokens the provider's template adds to every request to open the
-    /// model's reply (the estimator's framing, `estimate/walk.rs`).
+    /// model's reply (the framing of `provider/walk.rs`).
     fn reply_framing(&self) -> u64 {
         3
     }

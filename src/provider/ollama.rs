@@ -4,12 +4,15 @@ use std::ops::Range;
 
 use serde_json::Value;
 
+use super::openai_chat::{content, tool};
+use super::walk::Count;
 use super::ImagePricing;
 use super::{
     count, field, has_member, truthy, Api, CountedField, ErrorShape, Framing, GenAi, Node,
     Observed, Part, PromptCache, Provider, Usage, Vocabulary, ERROR, EVAL_COUNT,
 };
 use super::{Element, Unit};
+use crate::json::text::{self as json, get};
 use crate::json::RequestView;
 
 pub struct Ollama;
@@ -53,6 +56,18 @@ impl Provider for Ollama {
     /// Llama 3 is cl100k plus 28k tokens; Qwen, Mistral, DeepSeek and unknown local models are nearest it too.
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::Cl100kBase
+    }
+    fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
+        match unit {
+            Unit::OllamaMessage => message(cx, raw),
+            Unit::OllamaTool => tool(cx, raw),
+            Unit::OllamaText => {
+                cx.framing(PER_MESSAGE);
+                cx.value(raw);
+            }
+            Unit::OllamaImage => cx.image_data(None),
+            _ => {}
+        }
     }
     fn reply_framing(&self) -> u64 {
         5
@@ -120,5 +135,40 @@ impl Provider for Ollama {
     }
     fn element(&self, b: &[u8], r: Range<usize>) -> Option<Element> {
         super::chat_element(b, r)
+    }
+}
+
+// ---- the message walk ----------------------------------------------------
+
+/// The Llama 3 template's header and end marker (`provider/walk.rs`).
+const PER_MESSAGE: u64 = 4;
+const PER_CALL: u64 = 3;
+
+fn message(cx: &mut dyn Count, raw: &str) {
+    cx.framing(PER_MESSAGE);
+    let Some(obj) = json::object(raw) else {
+        cx.generic(raw);
+        return;
+    };
+    cx.role_field(&obj, "role");
+    if let Some(c) = get(&obj, "content") {
+        content(cx, c.get());
+    }
+    cx.str_field(&obj, "tool_name");
+    // Attached images are priced flat: their bytes are not read.
+    let attached = get(&obj, "images")
+        .and_then(|i| json::array(i.get()))
+        .map_or(0, |a| a.len());
+    for _ in 0..attached {
+        cx.image_data(None);
+    }
+    for call in get(&obj, "tool_calls")
+        .and_then(|c| json::array(c.get()))
+        .unwrap_or_default()
+    {
+        let call = json::object(call.get()).unwrap_or_default();
+        if let Some(f) = get(&call, "function").and_then(|f| json::object(f.get())) {
+            cx.function_call(&f, PER_CALL);
+        }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use super::walk::{detail_of, type_of, Count};
 use super::ImagePricing;
 use super::{
     count, error_object, field, first_valued, has_member, last_valued, number_after,
@@ -10,6 +11,7 @@ use super::{
     Part, PromptCache, Provider, Usage, Vocabulary, ERROR, USAGE,
 };
 use super::{Element, Unit};
+use crate::json::text::{self as json, get, kind};
 use crate::json::RequestView;
 
 pub struct OpenAiChat;
@@ -54,6 +56,21 @@ impl Provider for OpenAiChat {
     /// Every current OpenAI model.
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::O200kBase
+    }
+    fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
+        match unit {
+            Unit::ChatMessage => message(cx, raw),
+            Unit::ChatTool => {
+                cx.framing(PER_TOOL_DEF);
+                tool(cx, raw);
+            }
+            Unit::ChatFunction => {
+                cx.framing(PER_TOOL_DEF);
+                let obj = json::object(raw).unwrap_or_default();
+                cx.definition(&obj, &["name", "description", "parameters"]);
+            }
+            _ => {}
+        }
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_completion_tokens")
@@ -179,6 +196,120 @@ fn usage(u: &Node) -> Usage {
         ),
         output: count(u, "completion_tokens"),
         total_context: input,
+    }
+}
+
+// ---- the message walk ----------------------------------------------------
+
+/// The cookbook's framing (`provider/walk.rs`), shared with Responses.
+pub(super) const PER_MESSAGE: u64 = 3;
+const PER_NAME: u64 = 1;
+const PER_TOOL_CALL: u64 = 3;
+pub(super) const PER_TOOL_DEF: u64 = 7;
+
+fn message(cx: &mut dyn Count, raw: &str) {
+    cx.framing(PER_MESSAGE);
+    let Some(obj) = json::object(raw) else {
+        cx.generic(raw);
+        return;
+    };
+    for (k, v) in &obj {
+        match k.as_ref() {
+            "role" => match json::string(v.get()) {
+                Some(r) => cx.framing_text(&r),
+                None => cx.value(v.get()),
+            },
+            "name" => {
+                cx.value(v.get());
+                cx.framing(PER_NAME);
+            }
+            "content" => content(cx, v.get()),
+            "refusal" => {
+                if let Some(s) = json::string(v.get()) {
+                    cx.text(&s);
+                }
+            }
+            "tool_calls" => {
+                for call in json::array(v.get()).unwrap_or_default() {
+                    let call = json::object(call.get()).unwrap_or_default();
+                    let f = get(&call, "function")
+                        .or_else(|| get(&call, "custom"))
+                        .and_then(|f| json::object(f.get()));
+                    if let Some(f) = f {
+                        cx.function_call(&f, PER_TOOL_CALL);
+                    }
+                }
+            }
+            "function_call" => {
+                if let Some(f) = json::object(v.get()) {
+                    cx.function_call(&f, PER_TOOL_CALL);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A `{type: "function", function: {name, description, parameters}}`
+/// tool (the Ollama tool too); any other tool as its JSON.
+pub(super) fn tool(cx: &mut dyn Count, raw: &str) {
+    let obj = json::object(raw).unwrap_or_default();
+    match get(&obj, "function").and_then(|f| json::object(f.get())) {
+        Some(f) => cx.definition(&f, &["name", "description", "parameters"]),
+        None => cx.json(raw),
+    }
+}
+
+/// Chat `content`: a string, or parts (`text`, `image_url`, audio, files);
+/// also Responses content and Ollama's.
+pub(super) fn content(cx: &mut dyn Count, raw: &str) {
+    match kind(raw) {
+        b'"' => {
+            if let Some(s) = json::string(raw) {
+                cx.text(&s);
+            }
+        }
+        b'[' => {
+            for part in json::array(raw).unwrap_or_default() {
+                self::part(cx, part.get());
+            }
+        }
+        b'n' => {}
+        _ => cx.generic(raw),
+    }
+}
+
+/// One content part of either OpenAI API.
+pub(super) fn part(cx: &mut dyn Count, raw: &str) {
+    let Some(obj) = json::object(raw) else {
+        cx.generic(raw);
+        return;
+    };
+    match type_of(&obj).as_deref() {
+        Some("text" | "input_text" | "output_text" | "summary_text" | "reasoning_text") => {
+            cx.str_field(&obj, "text")
+        }
+        Some("refusal") => cx.str_field(&obj, "refusal"),
+        Some("image_url") => {
+            let Some(iu) = get(&obj, "image_url") else {
+                return;
+            };
+            let (url, detail) = match json::object(iu.get()) {
+                Some(o) => (
+                    get(&o, "url").and_then(|u| json::string(u.get())),
+                    get(&o, "detail").and_then(|d| json::string(d.get())),
+                ),
+                None => (json::string(iu.get()), None),
+            };
+            cx.image_url(url.as_deref().unwrap_or(""), detail_of(detail.as_deref()));
+        }
+        Some("input_image") => {
+            let url = get(&obj, "image_url").and_then(|u| json::string(u.get()));
+            let detail = get(&obj, "detail").and_then(|d| json::string(d.get()));
+            cx.image_url(url.as_deref().unwrap_or(""), detail_of(detail.as_deref()));
+        }
+        Some("file" | "input_file") => cx.document(),
+        _ => cx.generic(raw),
     }
 }
 

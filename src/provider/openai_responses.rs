@@ -7,6 +7,8 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::openai_chat::{content, part, PER_MESSAGE, PER_TOOL_DEF};
+use super::walk::{type_of, Count};
 use super::ImagePricing;
 use super::{
     count, field, has_member, openai_error_body, Api, ContextError, CountedField, ErrorShape,
@@ -14,6 +16,7 @@ use super::{
     RESPONSE_CREATED, USAGE,
 };
 use super::{Element, Unit};
+use crate::json::text::{self as json, get, kind};
 use crate::json::{Obj, RequestView};
 
 pub struct OpenAiResponses;
@@ -69,6 +72,25 @@ impl Provider for OpenAiResponses {
     /// Every current OpenAI model.
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::O200kBase
+    }
+    fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
+        match unit {
+            Unit::RespInstructions | Unit::RespInputText => {
+                cx.framing(PER_MESSAGE + 1);
+                cx.value(raw);
+            }
+            Unit::RespItem => item(cx, raw),
+            Unit::RespTool => {
+                let obj = json::object(raw).unwrap_or_default();
+                if type_of(&obj).as_deref() == Some("function") {
+                    cx.framing(PER_TOOL_DEF);
+                    cx.definition(&obj, &["name", "description", "parameters"]);
+                } else {
+                    cx.json(raw);
+                }
+            }
+            _ => {}
+        }
     }
     fn max_output_tokens(&self, req: &RequestView<'_>) -> Option<u64> {
         req.get("max_output_tokens")
@@ -332,6 +354,54 @@ pub mod websocket {
             event["stream_id"] = serde_json::Value::from(id);
         }
         serde_json::to_vec(&event).unwrap_or_default()
+    }
+}
+
+// ---- the message walk ----------------------------------------------------
+
+fn item(cx: &mut dyn Count, raw: &str) {
+    let Some(obj) = json::object(raw) else {
+        cx.framing(PER_MESSAGE);
+        cx.generic(raw);
+        return;
+    };
+    let ty = type_of(&obj);
+    match ty.as_deref() {
+        None | Some("message") => {
+            cx.framing(PER_MESSAGE);
+            cx.role_field(&obj, "role");
+            if let Some(c) = get(&obj, "content") {
+                content(cx, c.get());
+            }
+        }
+        Some("function_call" | "custom_tool_call") => {
+            cx.function_call(&obj, PER_MESSAGE);
+        }
+        Some("function_call_output" | "custom_tool_call_output") => {
+            cx.framing(PER_MESSAGE);
+            if let Some(o) = get(&obj, "output") {
+                match kind(o.get()) {
+                    b'[' => content(cx, o.get()),
+                    _ => cx.value(o.get()),
+                }
+            }
+        }
+        Some("reasoning") => {
+            // The visible summary; the encrypted chain of thought is opaque.
+            for key in ["summary", "content"] {
+                for p in get(&obj, key)
+                    .and_then(|s| json::array(s.get()))
+                    .unwrap_or_default()
+                {
+                    part(cx, p.get());
+                }
+            }
+        }
+        Some("item_reference") => {}
+        Some(_) => {
+            cx.framing(PER_MESSAGE);
+            cx.generic(raw);
+        }
     }
 }
 
