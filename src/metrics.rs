@@ -62,8 +62,8 @@ pub struct Metrics {
     families: Vec<(&'static str, &'static str, &'static str)>,
     /// Model label values seen, each with its series per API.
     models: Mutex<HashMap<String, Vec<&'static Series>>>,
-    /// Per-API handles into the `[api]` families, by [`API_LABELS`] index.
-    apis: [ApiSeries; API_LABELS.len()],
+    /// Per-API handles into the `[api]` families, by [`api_labels`] index.
+    apis: Vec<ApiSeries>,
 }
 
 /// Every `kind` of `tidemark_upstream_errors_total`
@@ -89,15 +89,14 @@ pub const OTLP_DROPS: [(&str, &str); 3] = [
     ("metrics", "export_failed"),
 ];
 
-/// Every `api` label value: the five APIs' names and `other`.
-pub const API_LABELS: [&str; 6] = [
-    "openai-chat",
-    "openai-responses",
-    "anthropic-messages",
-    "gemini",
-    "ollama",
-    "other",
-];
+/// Every `api` label value: each API's name (in [`crate::provider::ALL`]'s
+/// order) and `other`, last.
+pub fn api_labels() -> impl Iterator<Item = &'static str> {
+    crate::provider::ALL
+        .iter()
+        .map(|p| p.api().as_str())
+        .chain(["other"])
+}
 
 macro_rules! api_series {
     ($($name:ident: $ty:ty;)*) => {
@@ -452,12 +451,12 @@ impl Metrics {
             registry: r.registry.clone(),
             families: std::mem::take(&mut r.list),
             models: Mutex::new(HashMap::new()),
-            apis: API_LABELS.map(ApiSeries::new),
+            apis: api_labels().map(ApiSeries::new).collect(),
         };
         // SPEC §7: series labelled by `api`, `kind` or `limit` alone exist
         // from start-up, at zero for each value (a rate over a counter that
         // appears with its first event misses that event).
-        for api in API_LABELS {
+        for api in api_labels() {
             m.request_duration.with_label_values(&[api]);
             m.ttfb.with_label_values(&[api]);
             m.proxy_overhead.with_label_values(&[api]);
@@ -476,13 +475,11 @@ impl Metrics {
         m
     }
 
-    /// The handles of one `api` label value (one of [`API_LABELS`]; any
+    /// The handles of one `api` label value (one of [`api_labels`]; any
     /// other name is counted as `other`).
     pub fn api(&self, api: &str) -> &ApiSeries {
-        let i = API_LABELS
-            .iter()
-            .position(|a| *a == api)
-            .unwrap_or(API_LABELS.len() - 1);
+        let other = self.apis.len() - 1;
+        let i = api_labels().position(|a| a == api).unwrap_or(other);
         &self.apis[i]
     }
 

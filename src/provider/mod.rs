@@ -45,6 +45,10 @@ impl Api {
             Api::Ollama => "ollama",
         }
     }
+    /// The API whose [`Api::as_str`] is `s`.
+    pub fn named(s: &str) -> Option<Api> {
+        ALL.iter().map(|p| p.api()).find(|a| a.as_str() == s)
+    }
     pub fn provider(self) -> &'static dyn Provider {
         match self {
             Api::OpenAiChat => &OpenAiChat,
@@ -388,6 +392,13 @@ pub trait Provider: Send + Sync + 'static {
 
     /// How the API prices an image in a prompt.
     fn image_pricing(&self) -> ImagePricing;
+
+    /// Whether its streams carry usage only when the request asks for it
+    /// (`stream_options.include_usage`), an option tidemark may add and then
+    /// strip from the stream (`tap/inject.rs`).
+    fn usage_on_request(&self) -> bool {
+        false
+    }
 
     /// Walk one unit of this API's request (a message, a system prompt, a
     /// tool definition; framing included), reporting what the model sees to

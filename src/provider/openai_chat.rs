@@ -57,6 +57,10 @@ impl Provider for OpenAiChat {
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::O200kBase
     }
+    /// Its streams end without usage unless `stream_options.include_usage`.
+    fn usage_on_request(&self) -> bool {
+        true
+    }
     fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
         match unit {
             Unit::ChatMessage => message(cx, raw),

@@ -233,7 +233,7 @@ fn usage_injection(
     view: &RequestView<'_>,
     edited: Option<&Bytes>,
 ) -> Option<Bytes> {
-    let wanted = api == Api::OpenAiChat && stream && state.config.inject_usage;
+    let wanted = stream && state.config.inject_usage && api.provider().usage_on_request();
     if !wanted {
         return None;
     }

@@ -859,24 +859,13 @@ pub(super) mod api_name {
 
     use crate::provider::Api;
 
-    const ALL: [Api; 5] = [
-        Api::OpenAiChat,
-        Api::OpenAiResponses,
-        Api::Anthropic,
-        Api::Gemini,
-        Api::Ollama,
-    ];
-
     pub fn serialize<S: Serializer>(api: &Api, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(api.as_str())
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Api, D::Error> {
         let s = String::deserialize(d)?;
-        ALL.iter()
-            .copied()
-            .find(|a| a.as_str() == s)
-            .ok_or_else(|| D::Error::custom(format!("unknown api {s}")))
+        Api::named(&s).ok_or_else(|| D::Error::custom(format!("unknown api {s}")))
     }
 }
 
