@@ -588,7 +588,6 @@ pub fn observe(h: &HistogramVec, labels: &[&str], v: f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::Api;
 
     #[test]
     fn every_upstream_error_kind_starts_at_zero() {
@@ -600,14 +599,7 @@ mod tests {
 
     #[test]
     fn every_api_has_its_own_handles() {
-        let apis = [
-            Api::OpenAiChat,
-            Api::OpenAiResponses,
-            Api::Anthropic,
-            Api::Gemini,
-            Api::Ollama,
-        ];
-        for a in apis {
+        for a in crate::provider::ALL.iter().map(|p| p.api()) {
             assert_eq!(get().api(a.as_str()).api, a.as_str());
         }
         assert_eq!(get().api("other").api, "other");
