@@ -62,6 +62,9 @@ impl Provider for Anthropic {
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::Cl100kBase
     }
+    fn resembles_path(&self, path: &str) -> bool {
+        path.contains("/messages")
+    }
     fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
         match unit {
             Unit::AnthSystem => {

@@ -61,6 +61,10 @@ impl Provider for Gemini {
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::O200kBase
     }
+    /// `…/models/{model}:{method}`; Ollama's `/api/` paths are Ollama's.
+    fn resembles_path(&self, path: &str) -> bool {
+        path.contains(':') && path.contains("/models/") && !path.contains("/api/")
+    }
     fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
         match unit {
             Unit::GemSystem | Unit::GemContent => {

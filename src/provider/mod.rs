@@ -400,6 +400,14 @@ pub trait Provider: Send + Sync + 'static {
         false
     }
 
+    /// Whether a path no API owns still looks like this API's (a version or
+    /// route tidemark does not serve), so that an error answered for it
+    /// comes in this API's shape. Tried in [`ALL`]'s order; when none
+    /// does, OpenAI's shape.
+    fn resembles_path(&self, _path: &str) -> bool {
+        false
+    }
+
     /// Walk one unit of this API's request (a message, a system prompt, a
     /// tool definition; framing included), reporting what the model sees to
     /// `cx` (`provider/walk.rs`). Units of other APIs are not this walk's.

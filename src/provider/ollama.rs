@@ -57,6 +57,9 @@ impl Provider for Ollama {
     fn default_vocabulary(&self) -> Vocabulary {
         Vocabulary::Cl100kBase
     }
+    fn resembles_path(&self, path: &str) -> bool {
+        path.contains("/api/")
+    }
     fn walk(&self, unit: Unit, raw: &str, cx: &mut dyn Count) {
         match unit {
             Unit::OllamaMessage => message(cx, raw),

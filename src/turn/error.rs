@@ -111,18 +111,14 @@ impl ProxyError {
 /// The provider whose error shape fits a path: its own API, else a guess from
 /// the path, else OpenAI's (the default upstream).
 pub fn shape_provider(path: &str) -> &'static dyn Provider {
-    if let Some(p) = provider::for_path(path) {
-        return p;
-    }
-    if path.contains("/messages") {
-        Api::Anthropic.provider()
-    } else if path.contains("/api/") {
-        Api::Ollama.provider()
-    } else if path.contains(":") && path.contains("/models/") {
-        Api::Gemini.provider()
-    } else {
-        Api::OpenAiChat.provider()
-    }
+    provider::for_path(path)
+        .or_else(|| {
+            provider::ALL
+                .iter()
+                .copied()
+                .find(|p| p.resembles_path(path))
+        })
+        .unwrap_or_else(|| Api::OpenAiChat.provider())
 }
 
 /// Map an error to its response: status, body in the API's shape, `x-tidemark-error`.
@@ -157,4 +153,22 @@ pub fn answered(api: &str, model: &str, status: StatusCode, start: Instant) {
     m.api(api)
         .request_duration()
         .observe(start.elapsed().as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unowned_paths_get_the_shape_they_resemble() {
+        let api = |path| shape_provider(path).api();
+        assert_eq!(api("/v1/messages"), Api::Anthropic);
+        assert_eq!(api("/v2/messages/batches"), Api::Anthropic);
+        assert_eq!(api("/api/embed"), Api::Ollama);
+        assert_eq!(api("/api/models/x:y"), Api::Ollama);
+        assert_eq!(api("/api/messages"), Api::Anthropic);
+        assert_eq!(api("/v1/models/gemini-2.5-pro:embedContent"), Api::Gemini);
+        assert_eq!(api("/v1/embeddings"), Api::OpenAiChat);
+        assert_eq!(api("/v1/models"), Api::OpenAiChat);
+    }
 }
