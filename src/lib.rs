@@ -31,10 +31,12 @@
 //!    once, strictly as serde_json would validate it, into a borrowed view of
 //!    raw top-level JSON slices and the elements of the arrays among them (a
 //!    history's messages). Not JSON: forwarded as it came, with no projection.
-//! 4. **Estimate** (`estimate/`): each message is tokenized once (bpe-openai,
-//!    the model family's encoding) and cached by an xxh3 of its bytes, so a
-//!    new turn costs only its own tokens (a long history is looked up a cache
-//!    shard at a time); images are sized from their headers. Each message's
+//! 4. **Estimate** (`estimate/`): each API walks its own messages
+//!    (`Provider::walk` in its `provider/*.rs`) and reports what the model
+//!    sees to the estimator (`estimate/count.rs`); each message is
+//!    tokenized once (bpe-openai, the model family's encoding) and cached by
+//!    an xxh3 of its bytes, so a new turn costs only its own tokens (a long
+//!    history is looked up a cache shard at a time); images are sized from their headers. Each message's
 //!    tokens are shared among content classes (`estimate/classes.rs`: prose,
 //!    code, JSON, base64, CJK and other scripts, emoji, ...) by cheap
 //!    statistics of its text, cached with its count.

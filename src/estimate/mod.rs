@@ -3,6 +3,9 @@
 //! definitions, images, message framing), with the model's own tokenizer
 //! where it is public and the closest public one elsewhere.
 //!
+//! What a message holds is its API's to say (`Provider::walk`, reporting to
+//! `count.rs`); this room tokenizes, prices images and caches.
+//!
 //! Each message (and each system prompt or tool definition) is counted once:
 //! its count, shared among content classes (`classes.rs`), is cached under a
 //! hash of its exact bytes, so a request that appends a turn to a long
