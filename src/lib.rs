@@ -42,7 +42,7 @@
 //!    statistics of its text, cached with its count.
 //!    More than 16 KiB not yet tokenized goes to tokio's blocking pool, so a
 //!    worker's other connections do not wait behind a cold history.
-//! 5. **Session** (`session/`, `window.rs`): who is asking and which
+//! 5. **Session** (`session/`, `window/`): who is asking and which
 //!    session (`session/identity.rs`: a session header, else the id the
 //!    agent sends of its own accord, else the `previous_response_id` chain,
 //!    else a fingerprint of the conversation's start, content only), the
@@ -54,7 +54,7 @@
 //!    lane's consecutive anchors against the model's ratios learned across
 //!    sessions (`session/calibration.rs`), against the window a
 //!    `--context-window` rule gives, else the one the upstream's own
-//!    refusal taught (`window_learned.rs`), else the table (`window.rs`).
+//!    refusal taught (`window/learned.rs`), else the table (`window/mod.rs`).
 //!    What is sent is also seen as the provider's prompt cache sees it
 //!    (`session/cache.rs`), to be compared with the lane's previous request
 //!    when the response comes back. One store
@@ -132,7 +132,6 @@ pub mod tap;
 pub mod turn;
 pub mod upstream;
 pub mod window;
-pub mod window_learned;
 pub mod ws;
 
 pub use config::Config;

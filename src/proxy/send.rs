@@ -135,7 +135,7 @@ async fn without_option(cx: &mut Ctx<'_>, answer: Answer) -> Result<Answer, Endi
         .unwrap_or_default();
     let state = cx.state;
     if !crate::tap::inject::mentions_stream_options(&bytes) {
-        let up = crate::window_learned::upstream_id(cx.upstream);
+        let up = crate::window::learned::upstream_id(cx.upstream);
         let status = rparts.status.as_u16();
         let model = cx.model.as_deref();
         let refused_prompt = learn_from_refusal(state, cx.p, status, &bytes, &up, model);

@@ -40,7 +40,7 @@ pub(super) fn tap(cx: Ctx<'_>, turn: Turn, resp: Response<UpstreamBody>) -> Resp
     // Where a window can be learned (a refusal) or unlearned (more accepted
     // than one said fits), the upstream it belongs to.
     let learn_at = (status.is_client_error() || !state.store.windows().is_empty())
-        .then(|| crate::window_learned::upstream_id(cx.upstream));
+        .then(|| crate::window::learned::upstream_id(cx.upstream));
     let api = cx.p.api();
     watch.on_finish = Some(recorder(
         state,

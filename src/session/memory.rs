@@ -67,7 +67,7 @@ pub struct Sessions {
     /// Lanes this store holds (its share of the process-wide gauge).
     lanes: AtomicI64,
     /// Windows upstreams taught, by (upstream, model).
-    windows: crate::window_learned::Learned,
+    windows: crate::window::learned::Learned,
 }
 
 /// What this process learned of one model across sessions.
@@ -132,7 +132,7 @@ impl Sessions {
     }
 
     /// The windows upstreams taught.
-    pub fn windows(&self) -> &crate::window_learned::Learned {
+    pub fn windows(&self) -> &crate::window::learned::Learned {
         &self.windows
     }
 

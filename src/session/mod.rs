@@ -148,7 +148,7 @@ pub struct RequestFacts<'a> {
     /// `x-context-reset: 1`.
     pub reset: bool,
     pub window: Option<u64>,
-    /// The upstream (`window_learned::upstream_id`) whose learned window
+    /// The upstream (`window::learned::upstream_id`) whose learned window
     /// for the model may replace `window`: a shared backend may know one
     /// this process has not learned yet. `None` when a `--context-window`
     /// rule set `window`.
@@ -636,7 +636,7 @@ impl dyn Store + '_ {
 
     /// The windows upstreams taught (this process's, and what a shared
     /// backend handed it).
-    pub fn windows(&self) -> &crate::window_learned::Learned {
+    pub fn windows(&self) -> &crate::window::learned::Learned {
         self.sessions().windows()
     }
 

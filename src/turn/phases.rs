@@ -146,7 +146,7 @@ pub fn observe_projection(series: &metrics::Series, begun: &Begun) {
 }
 
 /// The window a request is measured against: a `--context-window` rule,
-/// else what its upstream taught (`window_learned.rs`), else the table.
+/// else what its upstream taught (`window/learned.rs`), else the table.
 /// With it, the upstream whose learned window a shared backend may still
 /// supply (`None` when a rule decided, or nothing can be learned for it).
 pub fn window_of(
@@ -167,7 +167,7 @@ pub fn window_of(
     if !shared && learned.is_empty() {
         return (crate::window::table_window(m), None);
     }
-    let up = crate::window_learned::upstream_id(upstream);
+    let up = crate::window::learned::upstream_id(upstream);
     let w = learned
         .get(&up, m)
         .or_else(|| crate::window::table_window(m));

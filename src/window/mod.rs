@@ -1,5 +1,7 @@
 //! Context window sizes: `--context-window PATTERN=N` rules first, then a
 //! built-in table of published windows (tests/fixtures/README.md §8).
+pub mod learned;
+
 use crate::config::WindowRule;
 
 /// Published windows, most specific pattern first; the first match wins.
@@ -62,7 +64,7 @@ const BUILTIN: &[(&str, u64)] = &[
 
 /// The context window of `model`: the first matching user rule, else the
 /// built-in table, else unknown. (What an upstream taught sits between the
-/// two: `window_learned.rs`.)
+/// two: `window/learned.rs`.)
 pub fn window_for(rules: &[WindowRule], model: &str) -> Option<u64> {
     flag_window(rules, model).or_else(|| table_window(model))
 }

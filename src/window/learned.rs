@@ -104,13 +104,13 @@ pub fn resolve(
     model: &str,
 ) -> Option<Window> {
     let at = |tokens, source| Some(Window { tokens, source });
-    if let Some(w) = crate::window::flag_window(rules, model) {
+    if let Some(w) = super::flag_window(rules, model) {
         return at(w, Source::Flag);
     }
     if let Some(w) = learned.get(upstream, model) {
         return at(w, Source::Learned);
     }
-    crate::window::table_window(model).and_then(|w| at(w, Source::Table))
+    super::table_window(model).and_then(|w| at(w, Source::Table))
 }
 
 #[cfg(test)]
